@@ -1,0 +1,80 @@
+"""Plans: where every sub-layer lives and runs, for one token tier and one budget.
+
+A `Plan` maps each sub-layer name (see `engine.sharding.spec`) to a `Placement`. A `PlanSet` holds one
+plan per token tier; all its plans share one resident set where the planner could arrange it, so that
+switching tiers copies little. The executor runs whatever plan it is given; the planner chooses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+PLAN_KINDS = ("gpu_only", "static", "dynamic")
+DEFAULT_TIERS = (1, 4, 16, 64, 256, 1024, 4096)
+
+
+class Placement(str, Enum):
+    RESIDENT = "resident"   # weights in VRAM for good
+    STREAMED = "streamed"   # weights in pinned host memory, copied into a VRAM slot just before use
+    CPU = "cpu"             # computed on the CPU from host memory
+
+    def __str__(self) -> str:  # "resident", not "Placement.RESIDENT"
+        return self.value
+
+
+@dataclass(slots=True)
+class VramBreakdown:
+    weights: int = 0   # resident weights
+    kv: int = 0        # KV cache of the sub-layers whose attention runs on the GPU
+    slots: int = 0     # streaming slots (n_slots x largest streamed sub-layer)
+    scratch: int = 0   # activations and workspace for the tier, with the margin
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.slots + self.scratch
+
+    def as_dict(self) -> dict[str, int]:
+        return {"weights": self.weights, "kv": self.kv, "slots": self.slots, "scratch": self.scratch,
+                "total": self.total}
+
+
+@dataclass(slots=True)
+class Plan:
+    tier: int                         # the largest number of new tokens per step this plan serves
+    kind: str                         # "gpu_only" | "static" | "dynamic" | "manual"
+    placement: dict[str, Placement]   # sub-layer name -> placement
+    n_slots: int = 2                  # streaming slots (2 = double-buffered)
+    predicted_ms: float = float("nan")
+    vram: VramBreakdown = field(default_factory=VramBreakdown)
+    kv_tokens: int = 0                # KV capacity (tokens) on the GPU this plan assumes
+
+    def resident(self) -> list[str]:
+        return [n for n, p in self.placement.items() if p is Placement.RESIDENT]
+
+    def streamed(self) -> list[str]:
+        return [n for n, p in self.placement.items() if p is Placement.STREAMED]
+
+    def on_gpu(self, name: str) -> bool:
+        return self.placement[name] is not Placement.CPU
+
+    def report(self) -> dict:
+        return {"tokens": self.tier, "plan": self.kind, "predicted_ms": self.predicted_ms,
+                "vram": self.vram.as_dict(), "placement": {k: str(v) for k, v in self.placement.items()},
+                "n_slots": self.n_slots}
+
+
+@dataclass(slots=True)
+class PlanSet:
+    budget: int
+    plans: list[Plan]                 # sorted by tier
+
+    def for_tokens(self, n_new: int) -> Plan:
+        """The plan of the smallest tier that holds `n_new` new tokens (the largest tier past the end)."""
+        for p in self.plans:
+            if p.tier >= n_new:
+                return p
+        return self.plans[-1]
+
+    def report(self) -> dict:
+        return {"budget": self.budget, "tiers": [p.report() for p in self.plans]}

@@ -1,0 +1,74 @@
+"""The shape of a model as the planner sees it: sub-layers with their bytes and work per token.
+
+`ModelSpec.from_config` turns a `ModelConfig` into an ordered list of `SubLayerSpec` (embed, then
+attn/ffn per layer, then head). The planner prices these; the executor places the weights named here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import ModelConfig, weight_names
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class SubLayerSpec:
+    name: str                  # "embed" | "layers.{i}.attn" | "layers.{i}.ffn" | "head"
+    kind: str                  # "embed" | "attn" | "ffn" | "head"
+    layer: int | None
+    weight_names: tuple[str, ...]
+    weight_bytes: int          # bytes of all its weights at the run precision
+    flops_per_token: int       # matmul FLOPs per new token (2 x MACs), excluding attention over the context
+    kv_bytes_per_token: int    # KV cache bytes per cached token (attn only)
+    attn_flops_per_token_ctx: int  # attention FLOPs per new token per context token (attn only)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    config: ModelConfig
+    dtype_bytes: int
+    kv_dtype_bytes: int
+    sublayers: tuple[SubLayerSpec, ...]
+
+    @staticmethod
+    def from_config(cfg: ModelConfig, *, dtype: str | None = None, kv_dtype: str | None = None) -> "ModelSpec":
+        db = DTYPE_BYTES[dtype or cfg.dtype]
+        kvb = DTYPE_BYTES[kv_dtype or dtype or cfg.dtype]
+        h, hd = cfg.hidden_size, cfg.head_dim
+        groups = weight_names(cfg)
+        subs: list[SubLayerSpec] = []
+        for name, names in groups.items():
+            if name == "embed":
+                subs.append(SubLayerSpec(name, "embed", None, names, cfg.vocab_size * h * db, 0, 0, 0))
+            elif name == "head":
+                nbytes = (h + cfg.vocab_size * h) * db
+                subs.append(SubLayerSpec(name, "head", None, names, nbytes, 2 * cfg.vocab_size * h, 0, 0))
+            elif name.endswith(".attn"):
+                layer = int(name.split(".")[1])
+                proj = h * cfg.q_size * 2 + h * cfg.kv_size * 2  # q, o and k, v
+                extra = h + (3 * 0)
+                if cfg.attention_bias:
+                    extra += cfg.q_size + 2 * cfg.kv_size
+                if cfg.qk_norm:
+                    extra += 2 * hd
+                subs.append(SubLayerSpec(
+                    name, "attn", layer, names, (proj + extra) * db, 2 * proj,
+                    2 * cfg.kv_size * kvb, 4 * cfg.num_heads * hd))
+            else:
+                layer = int(name.split(".")[1])
+                mats = 3 * h * cfg.intermediate_size
+                subs.append(SubLayerSpec(name, "ffn", layer, names, (mats + h) * db, 2 * mats, 0, 0))
+        return ModelSpec(cfg, db, kvb, tuple(subs))
+
+    @property
+    def total_weight_bytes(self) -> int:
+        """Bytes of the model as it runs (a tied head counted once)."""
+        n = sum(s.weight_bytes for s in self.sublayers)
+        if self.config.tie_word_embeddings:
+            n -= self.config.vocab_size * self.config.hidden_size * self.dtype_bytes
+        return n
+
+    def by_name(self) -> dict[str, SubLayerSpec]:
+        return {s.name: s for s in self.sublayers}
