@@ -1,0 +1,145 @@
+"""Generation pieces shared by every backend: events, sampling, stop strings, streamed detokenization.
+
+A backend produces one token id per step; `TextStream` turns ids into text pieces that never split a
+UTF-8 character, and holds back text that might still become a stop string.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationEvent:
+    text: str                 # the new piece of text (may be "" while bytes of a character are pending)
+    token_id: int | None      # the token this step produced (None for the final event)
+    finish_reason: str | None = None   # None while streaming; "stop" | "length" | "eos" | "cancelled"
+    index: int = 0            # the position of this token among the generated ones
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @staticmethod
+    def make(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop=None, seed=None) -> "SamplingParams":
+        from engine.errors import BadInputError
+
+        if max_new_tokens < 0:
+            raise BadInputError(f"max_new_tokens={max_new_tokens}: must be 0 or more")
+        if temperature < 0:
+            raise BadInputError(f"temperature={temperature}: must be 0 or more")
+        if not 0 < top_p <= 1:
+            raise BadInputError(f"top_p={top_p}: must be in (0, 1]")
+        if isinstance(stop, str):
+            stop = (stop,)
+        return SamplingParams(int(max_new_tokens), float(temperature), float(top_p), int(top_k or 0),
+                              tuple(s for s in (stop or ()) if s), seed)
+
+
+class Sampler:
+    """Picks the next token from logits: greedy at temperature 0, else temperature / top-k / top-p."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        logits = logits.float().cpu()
+        p = self.params
+        if p.temperature == 0:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature
+        if p.top_k and p.top_k < logits.numel():
+            kth = torch.topk(logits, p.top_k).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p
+            keep[0] = True
+            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+@dataclass(slots=True)
+class TextStream:
+    """Incremental detokenization with stop strings.
+
+    `push(token_id)` returns the text that is safe to show now; `stopped` turns true when a stop string
+    appeared (the text up to it has been emitted, the stop string itself is not).
+    """
+
+    tokenizer: object
+    stop: tuple[str, ...] = ()
+    ids: list[int] = field(default_factory=list)
+    emitted: str = ""          # text already handed out
+    stopped: bool = False
+
+    def _decoded(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        # A trailing U+FFFD means an incomplete UTF-8 sequence: wait for the next token.
+        return text.rstrip("\ufffd") if text.endswith("\ufffd") else text
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        if self.stopped:
+            return ""
+        text = self.tokenizer.decode(self.ids) if final else self._decoded()
+        if not text.startswith(self.emitted):
+            # The decoder rewrote earlier text (rare, e.g. merged spaces): emit only what is new.
+            common = 0
+            while common < min(len(text), len(self.emitted)) and text[common] == self.emitted[common]:
+                common += 1
+            self.emitted = text[:common]
+        for s in self.stop:
+            at = text.find(s, max(0, len(self.emitted) - len(s) + 1))
+            if at >= 0:
+                self.stopped = True
+                piece = text[len(self.emitted):at] if at >= len(self.emitted) else ""
+                self.emitted = text[:at]
+                return piece
+        safe = len(text)
+        if not final:
+            # Hold back a tail that is a prefix of some stop string.
+            for s in self.stop:
+                for k in range(min(len(s) - 1, len(text)), 0, -1):
+                    if text.endswith(s[:k]):
+                        safe = min(safe, len(text) - k)
+                        break
+        safe = max(safe, len(self.emitted))
+        piece = text[len(self.emitted):safe]
+        self.emitted = text[:safe]
+        return piece
+
+
+class CancelToken:
+    """Set from any thread to stop a running generation at the next step."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def cancel(self) -> None:
+        self._event.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._event.is_set()
