@@ -1,0 +1,20 @@
+"""Test-wide settings: offline Hugging Face, offscreen Qt, and the tiny model folder fixture."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """Factory: tiny_model("llama3", tie_word_embeddings=True) -> Path of a cached tiny HF folder."""
+    from tests.tiny_models import tiny_model_cache
+
+    return tiny_model_cache

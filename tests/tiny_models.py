@@ -1,0 +1,177 @@
+"""Tiny random-weight Hugging Face model folders for tests, built offline.
+
+`make_tiny_model(arch, path, **overrides)` writes a complete HF folder (config.json,
+generation_config.json, model.safetensors or shards + index, tokenizer.json, tokenizer_config.json with
+a chat template) that `AutoModelForCausalLM` and `AutoTokenizer` load without the network. The
+tokenizer is a real byte-level BPE trained in-process on `TRAINING_TEXT`. Everything is seeded, so the
+same call gives the same weights. `tiny_model_cache()` builds each variant once per process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+BOS, EOS, IM_START, IM_END, PAD = "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
+SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END, PAD]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] | trim + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TRAINING_TEXT = """\
+The quick brown fox jumps over the lazy dog. A gamer starts a new match and the video card fills up;
+the assistant in the tray notices, moves a few layers to the processor, and keeps answering questions.
+When the game ends, the memory comes back and everything gets faster again. Models are made of layers,
+and each layer has an attention block and a feed-forward block. Weights can be resident, streamed or
+computed on the CPU. Numbers like 12, 345, 6789 and 3.14159 appear in text, as do dates: 2024-05-17.
+Hello, world! How are you today? I am fine, thank you. What is the capital of France? It is Paris.
+def main():\n    print("hello")\n    return 0\nCode has indentation, brackets [like these], braces {x: 1}.
+She sells sea shells by the sea shore. Peter Piper picked a peck of pickled peppers.
+Once upon a time, in a land far away, there lived a small robot who loved to read books about the stars.
+Temperature, top_p and stop strings shape how a model samples its next token from the distribution.
+"""
+
+_BASE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,      # GQA by default; pass num_key_value_heads=4 for MHA
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.1,      # larger than HF's 0.02 so logits are well apart (greedy is stable)
+}
+
+_ARCH_DEFAULTS: dict[str, dict] = {
+    "llama": {},
+    "llama3": {"rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}},
+    "mistral": {"sliding_window": None},
+    "qwen2": {"rope_theta": 1000000.0, "tie_word_embeddings": True},
+    "qwen3": {"rope_theta": 1000000.0, "attention_bias": False},
+}
+
+
+def build_tokenizer(add_bos: bool = True, vocab_size: int = 384):
+    """A byte-level BPE `tokenizers.Tokenizer` trained on TRAINING_TEXT (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([TRAINING_TEXT] * 3, trainer=trainer)
+    bos_id = tok.token_to_id(BOS)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def _write_tokenizer(folder: Path, add_bos: bool) -> dict[str, int]:
+    tok = build_tokenizer(add_bos=add_bos)
+    tok.save(str(folder / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": None,
+        "add_bos_token": add_bos, "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": _BASE["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    (folder / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, indent=2))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
+    ids["vocab_size"] = tok.get_vocab_size()
+    return ids
+
+
+def _perturb_(model, seed: int) -> None:
+    """Give norms and biases random values too, so a swapped or missing weight shows in every test."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, dtype: str = "float32",
+                    max_shard_size: str | None = None, **config_overrides) -> Path:
+    """Write a tiny random HF model folder of `arch` (see ARCHS) into `path`; returns the path.
+
+    config_overrides go into the transformers config (e.g. tie_word_embeddings=True,
+    num_key_value_heads=4 for MHA, num_hidden_layers=4). `dtype` ("float32" | "bfloat16" | "float16")
+    is the precision saved; `max_shard_size` (e.g. "20KB") writes sharded safetensors with an index.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    add_bos = arch in ("llama", "llama3", "mistral")
+    ids = _write_tokenizer(folder, add_bos=add_bos)
+
+    kwargs = {**_BASE, **_ARCH_DEFAULTS[arch], **config_overrides}
+    if arch == "qwen2":
+        kwargs.pop("attention_bias", None)  # qwen2 always has q/k/v biases
+    kwargs.setdefault("vocab_size", ids["vocab_size"])
+    kwargs.update(bos_token_id=ids[BOS], eos_token_id=ids[EOS], pad_token_id=ids[PAD])
+    model_type = "llama" if arch == "llama3" else arch
+    config = AutoConfig.for_model(model_type, **kwargs)
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb_(model, seed)
+    model = model.to(getattr(torch, dtype)).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[BOS], eos_token_id=[ids[EOS], ids[IM_END]], pad_token_id=ids[PAD])
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **save_kwargs)
+    if not any(folder.glob("*.safetensors")):
+        raise RuntimeError(f"transformers did not write safetensors into {folder}")
+    return folder
+
+
+_cache_root: Path | None = None
+_cache: dict[tuple, Path] = {}
+
+
+def tiny_model_cache(arch: str, **options) -> Path:
+    """make_tiny_model, built once per process (per arch + options) under a temporary folder."""
+    global _cache_root
+    key = (arch, tuple(sorted((k, json.dumps(v, sort_keys=True)) for k, v in options.items())))
+    if key not in _cache:
+        if _cache_root is None:
+            _cache_root = Path(tempfile.mkdtemp(prefix="slipstream-tiny-"))
+            atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
+        _cache[key] = make_tiny_model(arch, _cache_root / f"m{len(_cache)}-{arch}", **options)
+    return _cache[key]
