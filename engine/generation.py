@@ -30,7 +30,7 @@ class SamplingParams:
     seed: int | None = None
 
     @staticmethod
-    def make(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop=None, seed=None) -> "SamplingParams":
+    def make(max_new_tokens=256, temperature=0.0, top_p=1.0, top_k=0, stop=None, seed=None) -> SamplingParams:
         from engine.errors import BadInputError
 
         if max_new_tokens < 0:

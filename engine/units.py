@@ -10,7 +10,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
 
-def parse_bytes(value: int | float | str, what: str = "size") -> int:
+def parse_bytes(value: float | str, what: str = "size") -> int:
     """`"4GiB"` -> 4294967296; integers pass through. Raises BudgetError naming the value."""
     if isinstance(value, bool):
         raise BudgetError(f"{what}={value!r}: expected a number of bytes or a size such as '4GiB'")
@@ -24,7 +24,7 @@ def parse_bytes(value: int | float | str, what: str = "size") -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def format_bytes(n: int | float | None) -> str:
+def format_bytes(n: float | None) -> str:
     if n is None:
         return "n/a"
     n = float(n)

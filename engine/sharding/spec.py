@@ -33,7 +33,7 @@ class ModelSpec:
     sublayers: tuple[SubLayerSpec, ...]
 
     @staticmethod
-    def from_config(cfg: ModelConfig, *, dtype: str | None = None, kv_dtype: str | None = None) -> "ModelSpec":
+    def from_config(cfg: ModelConfig, *, dtype: str | None = None, kv_dtype: str | None = None) -> ModelSpec:
         db = DTYPE_BYTES[dtype or cfg.dtype]
         kvb = DTYPE_BYTES[kv_dtype or dtype or cfg.dtype]
         h, hd = cfg.hidden_size, cfg.head_dim

@@ -1,0 +1,254 @@
+"""The PyTorch backend: loads a model, plans its placement for the VRAM budget, runs it, re-plans live.
+
+Devices: "cpu" (no accelerator, everything on the CPU), "sim" (the CPU standing in for a GPU: the same
+placement, streaming and byte accounting as on CUDA), "cuda"/"cuda:N". `set_vram_budget` may be called
+from any thread at any time: a running step picks the new budget up at its next sub-layer boundary,
+releases what no longer fits, hands the memory back to the driver and goes on; nothing is recomputed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engine.api import Engine
+from engine.errors import BadInputError, BudgetError, OutOfBudgetError
+from engine.generation import CancelToken, Sampler, SamplingParams
+from engine.sharding.kvcache import BLOCK_SIZE, Sequence
+from engine.sharding.plan import DEFAULT_TIERS, PLAN_KINDS, Placement
+from engine.sharding.spec import ModelSpec
+from engine.units import parse_bytes
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CONTEXT = 8192
+SIM_DEFAULT_BUDGET = 1 << 40     # "sim" without a budget: a notional GPU with room for everything
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device in ("cpu", "sim"):
+        return device
+    if device == "cuda" or device.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise BadInputError(f"device={device!r}: no CUDA GPU is available to PyTorch here")
+        return device
+    raise BadInputError(f"device={device!r}: expected 'auto', 'cpu', 'sim', 'cuda' or 'cuda:N'")
+
+
+class TorchEngine(Engine):
+    backend = "torch"
+
+    def __init__(self, path: Path, *, device: str = "auto", vram_budget=None, n_ctx: int | None = None,
+                 tiers: tuple[int, ...] = DEFAULT_TIERS, kind: str = "auto", profile=None,
+                 progress=None):
+        super().__init__()
+        from engine.loading import load_model
+        from engine.sharding.device import Accelerator
+        from engine.sharding.executor import Executor
+
+        self.device = resolve_device(device)
+        loaded = load_model(path)
+        self.source = str(path)
+        self.file_type = loaded.file_type
+        self.config = cfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.dtype = _DTYPES[cfg.dtype]
+        self.context_length = min(n_ctx or min(cfg.max_position_embeddings, DEFAULT_CONTEXT),
+                                  cfg.max_position_embeddings)
+        self.kv_tokens = -(-self.context_length // BLOCK_SIZE) * BLOCK_SIZE
+        self.spec = ModelSpec.from_config(cfg)
+        if self.device == "cpu":
+            self.accel = None
+        else:
+            index = int(self.device.split(":")[1]) if ":" in self.device else 0
+            self.accel = Accelerator("sim" if self.device == "sim" else "cuda", index)
+        self.executor = Executor(cfg, loaded.weights, self.accel, self.dtype)
+        del loaded
+        self.tiers = tuple(sorted(tiers))
+        self._forced = "auto"
+        self._planner = None
+        self._profile = profile
+        self.planset = None
+        self._pending_budget: int | None = None
+        self._budget_lock = threading.Lock()
+        self._session = Sequence()                # the conversation's KV (prefix reused across turns)
+        self.replans: list[dict] = []             # history of re-plans (time, budget, reason, ms)
+        self.executor.between_sublayers = self._apply_pending_budget
+        self.budget = 0
+        if kind != "auto":
+            self.force_plan(kind)
+        self._set_budget_now(self._initial_budget(vram_budget), "open")
+
+    # ---- budget and plans ----------------------------------------------------------------------
+    def _initial_budget(self, vram_budget) -> int:
+        if vram_budget is not None:
+            return parse_bytes(vram_budget, "vram_budget")
+        if self.accel is None:
+            return 0
+        if self.accel.kind == "sim":
+            return SIM_DEFAULT_BUDGET
+        free, _total = torch.cuda.mem_get_info(self.accel.device)
+        return max(0, free - (1 << 30))        # what the driver says is free, less a 1 GiB reserve
+
+    def planner(self):
+        if self._planner is None:
+            from engine.sharding.planner import Planner
+            from engine.sharding.profile import ProfileDatabase
+
+            prof = self._profile or ProfileDatabase.for_device(self.device)
+            self._planner = Planner(self.spec, prof, tiers=self.tiers)
+        return self._planner
+
+    def _make_planset(self, budget: int):
+        if self.accel is None:
+            from engine.sharding.plan import Plan, PlanSet
+
+            cpu = {s.name: Placement.CPU for s in self.spec.sublayers}
+            return PlanSet(0, [Plan(t, "static", dict(cpu), 0) for t in self.tiers])
+        kind = None if self._forced == "auto" else self._forced
+        return self.planner().plan(budget, kv_tokens=self.kv_tokens, force_kind=kind)
+
+    def _set_budget_now(self, budget: int, reason: str) -> None:
+        """Re-plan for `budget` and bring memory to the new plan (called with the engine idle or at a
+        sub-layer boundary of the running step)."""
+        t0 = time.perf_counter()
+        planset = self._make_planset(budget)
+        shrinking = self.accel is not None and budget < self.accel.budget
+        if self.accel is not None and not shrinking:
+            self.accel.budget = budget
+        self.planset = planset
+        self.executor.activate(planset.for_tokens(1), kv_blocks=self.kv_tokens // BLOCK_SIZE)
+        if shrinking:
+            self.accel.budget = budget
+            self.executor.release_to_driver()
+        self.budget = budget
+        self.replans.append({"time": time.time(), "budget": budget, "reason": reason,
+                             "replan_ms": (time.perf_counter() - t0) * 1e3})
+        del self.replans[:-100]
+
+    def _apply_pending_budget(self) -> bool:
+        with self._budget_lock:
+            budget, self._pending_budget = self._pending_budget, None
+        if budget is None:
+            return False
+        self._set_budget_now(budget, "set_vram_budget")
+        return True
+
+    def set_vram_budget(self, n_bytes) -> None:
+        budget = parse_bytes(n_bytes, "vram_budget")
+        if budget > 0 and self.accel is None:
+            # A CPU-only engine has no VRAM to use; the budget is recorded and has no effect.
+            self.budget = budget
+            return
+        with self._budget_lock:
+            self._pending_budget = budget
+        if self._lock.acquire(blocking=False):   # idle: apply now, in the caller's thread
+            try:
+                self._apply_pending_budget()
+            finally:
+                self._lock.release()
+
+    def force_plan(self, kind: str) -> None:
+        if kind != "auto" and kind not in PLAN_KINDS:
+            raise BadInputError(f"plan kind {kind!r}: expected 'auto' or one of {', '.join(PLAN_KINDS)}")
+        self._forced = kind
+        if self.planset is not None:
+            with self._lock:
+                self._set_budget_now(self.budget, f"force_plan {kind}")
+
+    def plan_report(self) -> dict:
+        rep = self.planset.report()
+        rep.update(device=self.device, forced=self._forced, context_tokens=self.kv_tokens,
+                   model_bytes=self.spec.total_weight_bytes, backend="torch")
+        if self.accel is not None:
+            rep["in_use"] = dict(self.accel.used, total=self.accel.total_used, peak=self.accel.peak)
+        return rep
+
+    def stats(self) -> dict:
+        s = super().stats()
+        s.update(budget=self.budget, plan=self.executor.plan.kind if self.executor.plan else None,
+                 streamed_bytes=self.executor.copied_bytes, replans=len(self.replans),
+                 last_replan_ms=self.replans[-1]["replan_ms"] if self.replans else None)
+        return s
+
+    # ---- running steps -------------------------------------------------------------------------
+    def _step(self, seq: Sequence, ids: list[int], all_logits: bool) -> torch.Tensor:
+        """One forward step under the plan of its tier, re-planning on out-of-memory and retrying."""
+        for attempt in range(8):
+            self._apply_pending_budget()
+            plan = self.planset.for_tokens(len(ids))
+            length = seq.length
+            try:
+                if plan is not self.executor.plan:
+                    self.executor.activate(plan)
+                return self.executor.forward(seq, ids, all_logits)
+            except (torch.OutOfMemoryError, OutOfBudgetError) as exc:
+                self.executor.kv.truncate(seq, length)
+                if self.accel is None or self.budget == 0:
+                    raise BudgetError(f"out of memory even with nothing on the GPU: {exc}") from exc
+                smaller = int(self.budget * 0.75) if attempt < 6 else 0
+                self._set_budget_now(smaller, f"out of memory ({exc.__class__.__name__}); retrying")
+        raise BudgetError("could not run a step within any budget")
+
+    def _run(self, seq: Sequence, ids: list[int], all_logits: bool) -> torch.Tensor:
+        """Feed `ids` in chunks no larger than the largest tier."""
+        chunk = self.tiers[-1]
+        outs = []
+        for i in range(0, len(ids), chunk):
+            outs.append(self._step(seq, ids[i:i + chunk], all_logits))
+        return torch.cat(outs) if all_logits else outs[-1]
+
+    @torch.inference_mode()
+    def _token_stream(self, ids: list[int], params: SamplingParams, cancel: CancelToken,
+                      images) -> Iterator[int]:
+        seq = self._session
+        common = 0
+        for a, b in zip(seq.token_ids, ids[:-1]):   # reuse the conversation's cached prefix
+            if a != b:
+                break
+            common += 1
+        self.executor.kv.truncate(seq, common)
+        sampler = Sampler(params)
+        logits = self._run(seq, ids[common:], False)[-1]
+        for _ in range(params.max_new_tokens):
+            tid = sampler(logits)
+            yield tid
+            if cancel.cancelled or tid in self.tokenizer.eos_token_ids:
+                return
+            if seq.length + 1 >= self.context_length:
+                return
+            logits = self._step(seq, [tid], False)[-1]
+
+    @torch.inference_mode()
+    def score(self, token_ids) -> torch.Tensor:
+        ids = [int(t) for t in (token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids)]
+        if not ids:
+            raise BadInputError("score: no tokens")
+        if len(ids) > self.context_length:
+            from engine.errors import ContextLengthError
+
+            raise ContextLengthError(f"{len(ids)} tokens do not fit the model's context of "
+                                     f"{self.context_length} tokens")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise BadInputError(f"score: token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        with self._lock:
+            seq = Sequence()
+            try:
+                return self._run(seq, ids, True)
+            finally:
+                self.executor.kv.release(seq)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.executor is not None:
+                self.executor.close()
+                self.executor.release_to_driver()
+                if self.accel is not None:
+                    self.accel.close()
+                self.executor = None

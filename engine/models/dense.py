@@ -1,0 +1,83 @@
+"""The dense transformer's sub-layers as plain functions over a dict of weights.
+
+`attention_block` and `ffn_block` each take the residual stream `x` [n, hidden] and return it updated;
+they run on whatever device their weights and `x` are on, so the executor can place each one freely.
+Weight dicts use the sub-layer's local names ("q.weight", "gate.weight", ...).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.models.rope import apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, kv_write, kv_read, mask: torch.Tensor | None) -> torch.Tensor:
+    """Pre-norm self-attention with RoPE and a KV cache.
+
+    kv_write(k, v): stores this step's keys/values ([kv_heads, n, head_dim] each).
+    kv_read() -> (K, V): all cached keys/values including this step's, [kv_heads, L, head_dim].
+    mask: bool [n, L] (True = may attend) or None for "attend to everything" (a single new token).
+    """
+    n = x.shape[0]
+    h = rms_norm(x, w["attn_norm.weight"], cfg.rms_norm_eps)
+    q = F.linear(h, w["q.weight"], w.get("q.bias"))
+    k = F.linear(h, w["k.weight"], w.get("k.bias"))
+    v = F.linear(h, w["v.weight"], w.get("v.bias"))
+    q = q.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+    k = k.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+    v = v.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
+    q = apply_rotary(q, cos, sin)
+    k = apply_rotary(k, cos, sin)
+    kv_write(k, v)
+    keys, values = kv_read()
+    out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                                         attn_mask=None if mask is None else mask[None, None],
+                                         enable_gqa=cfg.num_kv_heads != cfg.num_heads)
+    out = out[0].transpose(0, 1).reshape(n, cfg.q_size)
+    return x + F.linear(out, w["o.weight"])
+
+
+def ffn_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Pre-norm SwiGLU feed-forward."""
+    h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
+    return x + F.linear(F.silu(F.linear(h, w["gate.weight"])) * F.linear(h, w["up.weight"]), w["down.weight"])
+
+
+def embed_tokens(w: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
+    return F.embedding(ids, w["embed.weight"])
+
+
+def output_head(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """Final norm and the vocabulary projection; logits in float32."""
+    h = rms_norm(x, w["norm.weight"], cfg.rms_norm_eps)
+    head = w.get("head.weight")
+    if head is None:
+        head = w["embed.weight"]
+    return F.linear(h, head).float()
+
+
+def attention_mask(n_new: int, start: int, sliding_window: int | None, device) -> torch.Tensor | None:
+    """bool [n_new, start + n_new]: query i (position start+i) sees keys at positions <= start+i
+    (and within the sliding window). None where every query may see every key."""
+    total = start + n_new
+    if n_new == 1 and (sliding_window is None or total <= sliding_window):
+        return None
+    q_pos = torch.arange(start, total, device=device)[:, None]
+    k_pos = torch.arange(total, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask

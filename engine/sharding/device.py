@@ -1,0 +1,161 @@
+"""The accelerator the executor places work on: a CUDA GPU, or "sim", the CPU standing in for one.
+
+Both keep the same byte accounting: every VRAM allocation the engine makes (resident weights, streaming
+slots, KV blocks, reserved scratch) is booked under a tag against the budget, and one that would exceed
+it raises `OutOfBudgetError` (on CUDA the driver may also refuse first; the engine treats both alike).
+Both run weight copies on a separate copy engine: a CUDA stream, or for "sim" one background thread.
+Waiting for the GPU never spins: events are polled with a short sleep, so CPU compute keeps its threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from engine.errors import OutOfBudgetError
+from engine.units import format_bytes
+
+TAGS = ("weights", "kv", "slots", "scratch")
+_POLL_S = 0.0002
+
+
+class CopyHandle:
+    """A weight copy in flight; `wait_compute()` orders compute after it, `done()` asks without waiting."""
+
+    def __init__(self, accel: Accelerator, token):
+        self._accel = accel
+        self._token = token
+
+    def done(self) -> bool:
+        t = self._token
+        return t.done() if isinstance(t, Future) else t.query()
+
+    def wait_compute(self) -> None:
+        """Make the compute that follows see the copied bytes."""
+        t = self._token
+        if isinstance(t, Future):
+            t.result()
+        else:
+            torch.cuda.current_stream(self._accel.device).wait_event(t)
+
+    def wait_host(self) -> None:
+        t = self._token
+        if isinstance(t, Future):
+            t.result()
+        else:
+            while not t.query():
+                time.sleep(_POLL_S)
+
+
+class Accelerator:
+    """Byte-accounted device memory, a copy engine, and non-spinning waits."""
+
+    def __init__(self, kind: str, index: int = 0):
+        if kind not in ("cuda", "sim"):
+            raise ValueError(kind)
+        self.kind = kind
+        self.device = torch.device("cuda", index) if kind == "cuda" else torch.device("cpu")
+        self.budget = 0
+        self.used = {t: 0 for t in TAGS}
+        self.peak = 0
+        self._lock = threading.Lock()
+        if kind == "cuda":
+            self._copy_stream = torch.cuda.Stream(self.device)
+            self._pool = None
+        else:
+            self._copy_stream = None
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-copy")
+
+    @property
+    def name(self) -> str:
+        return str(self.device) if self.kind == "cuda" else "sim"
+
+    @property
+    def total_used(self) -> int:
+        return sum(self.used.values())
+
+    # ---- accounting ----------------------------------------------------------------------------
+    def book(self, nbytes: int, tag: str, what: str = "") -> None:
+        """Book bytes under a tag; raise OutOfBudgetError if the budget would be exceeded."""
+        with self._lock:
+            total = self.total_used + nbytes
+            if nbytes > 0 and total > self.budget:
+                raise OutOfBudgetError(
+                    f"{what or tag}: {format_bytes(nbytes)} more would exceed the VRAM budget of "
+                    f"{format_bytes(self.budget)} ({format_bytes(self.total_used)} in use)")
+            self.used[tag] += nbytes
+            self.peak = max(self.peak, total)
+
+    def unbook(self, nbytes: int, tag: str) -> None:
+        with self._lock:
+            self.used[tag] -= nbytes
+            assert self.used[tag] >= 0, (tag, self.used[tag])
+
+    def alloc(self, nbytes: int, tag: str, what: str = "") -> torch.Tensor:
+        """A booked flat byte buffer on the device."""
+        self.book(nbytes, tag, what)
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except torch.OutOfMemoryError:
+            self.unbook(nbytes, tag)
+            raise
+
+    def free(self, buf: torch.Tensor | None, tag: str) -> None:
+        if buf is not None:
+            self.unbook(buf.numel() * buf.element_size(), tag)
+
+    def release_to_driver(self) -> None:
+        """Hand cached, unused device memory back to the driver so another process can take it."""
+        if self.kind == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    # ---- copies and waits ----------------------------------------------------------------------
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> CopyHandle:
+        """Copy host -> device (or device -> device) on the copy engine, after the compute event `after`."""
+        if self.kind == "cuda":
+            with torch.cuda.stream(self._copy_stream):
+                if after is not None:
+                    self._copy_stream.wait_event(after)
+                dst.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self._copy_stream)
+            return CopyHandle(self, ev)
+        return CopyHandle(self, self._pool.submit(dst.copy_, src))
+
+    def compute_event(self):
+        """An event marking the compute issued so far (None on sim, where compute is synchronous)."""
+        if self.kind != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def wait_event_host(self, ev) -> None:
+        if ev is not None:
+            while not ev.query():
+                time.sleep(_POLL_S)
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        """Activations device -> CPU without a spinning wait."""
+        if self.kind != "cuda":
+            return x
+        self.wait_event_host(self.compute_event())
+        return x.to("cpu")
+
+    def to_device(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.device) if self.kind == "cuda" else x
+
+    def synchronize(self) -> None:
+        if self.kind == "cuda":
+            self.wait_event_host(self.compute_event())
+            self._copy_stream.synchronize()
+        else:
+            self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)

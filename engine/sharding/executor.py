@@ -1,0 +1,219 @@
+"""Runs a transformer step sub-layer by sub-layer under a plan.
+
+Each sub-layer runs where its plan puts it: `resident` from its VRAM copy, `streamed` from a slot that the
+copy engine filled ahead of time (double-buffered: while one slot is computed on, the next streamed
+sub-layer is copied into the other; prefetch carries across steps), `cpu` from host memory. Activations
+cross between CPU and GPU only where consecutive sub-layers sit on different sides. The KV cache of a
+layer lives where that layer's attention runs.
+
+`activate(plan)` brings memory to the plan's state, releasing before admitting so that usage never
+exceeds the larger of the old and new budgets; a `between_sublayers` hook lets the engine re-plan
+mid-step (a budget drop never waits for a long prefill to finish).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.config import ModelConfig, weight_names
+from engine.models import dense
+from engine.models.rope import RotaryTable
+from engine.sharding.device import Accelerator
+from engine.sharding.kvcache import BLOCK_SIZE, PagedKVCache, Sequence
+from engine.sharding.plan import Placement, Plan
+
+
+class Executor:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], accel: Accelerator | None,
+                 dtype: torch.dtype):
+        self.cfg = cfg
+        self.accel = accel
+        self.dtype = dtype
+        groups = {}
+        for sub, names in weight_names(cfg).items():
+            groups[sub] = {n.split(".", 2)[-1] if n.startswith("layers.") else n: weights[n] for n in names}
+        from engine.sharding.weights import WeightStore
+
+        self.store = WeightStore(groups, accel)
+        self.order = list(groups)                   # embed, layers.0.attn, layers.0.ffn, ..., head
+        self.kv = PagedKVCache(cfg, dtype, accel)
+        self.rope = RotaryTable(cfg)
+        self.plan: Plan | None = None
+        self.scratch_booked = 0
+        self.slot_content: list[str | None] = []
+        self.slot_ready: list = []                  # CopyHandle per slot (or None)
+        self.slot_free_after: list = []             # compute event after the slot's last use
+        self.between_sublayers: Callable[[], bool] | None = None
+        self.copied_bytes = 0                       # weight bytes streamed so far (stats)
+
+    # ---- memory state --------------------------------------------------------------------------
+    def activate(self, plan: Plan, kv_blocks: int | None = None) -> None:
+        """Bring resident weights, slots, KV placement and scratch booking to `plan`'s state."""
+        if self.accel is None:
+            if any(p is not Placement.CPU for p in plan.placement.values()):
+                raise ValueError("a plan with GPU placements needs an accelerator")
+            self.plan = plan
+            return
+        accel, store = self.accel, self.store
+        streamed = plan.streamed()
+        slot_bytes = max((store.nbytes(n) for n in streamed), default=0)
+        n_slots = min(plan.n_slots, len(streamed)) if streamed else 0
+        resident = set(plan.resident())
+        attn_gpu = [plan.placement[f"layers.{i}.attn"] is not Placement.CPU for i in range(self.cfg.num_layers)]
+        # 1. Release: scratch, slots that change, weights leaving, KV leaving the GPU.
+        accel.unbook(self.scratch_booked, "scratch")
+        self.scratch_booked = 0
+        if (n_slots, slot_bytes) != (len(store.slots), store.slot_bytes):
+            self._drain_slots()
+            store.drop_slots()
+        for name in [n for n in store.resident if n not in resident]:
+            store.evict(name)
+        for i, on_gpu in enumerate(attn_gpu):
+            if not on_gpu:
+                self.kv.place_layer(i, False)
+        # 2. Admit: KV arriving on the GPU, slots, weights, scratch.
+        if kv_blocks is not None and kv_blocks > self.kv.n_blocks:
+            self.kv._grow(kv_blocks)
+        for i, on_gpu in enumerate(attn_gpu):
+            if on_gpu:
+                self.kv.place_layer(i, True)
+        if n_slots and not store.slots:
+            store.set_slots(n_slots, slot_bytes)
+            self.slot_content = [None] * n_slots
+            self.slot_ready = [None] * n_slots
+            self.slot_free_after = [None] * n_slots
+        store.set_resident(resident)
+        scratch = plan.vram.scratch
+        accel.book(scratch, "scratch", f"scratch for {plan.tier}-token steps")
+        self.scratch_booked = scratch
+        self.plan = plan
+
+    def _drain_slots(self) -> None:
+        for h in self.slot_ready:
+            if h is not None:
+                h.wait_host()
+        self.slot_content, self.slot_ready, self.slot_free_after = [], [], []
+
+    def release_to_driver(self) -> None:
+        if self.accel is not None:
+            self.accel.release_to_driver()
+
+    # ---- streaming -----------------------------------------------------------------------------
+    def _streamed_order(self) -> list[str]:
+        return [n for n in self.order if self.plan.placement[n] is Placement.STREAMED]
+
+    def _load(self, slot: int, name: str) -> None:
+        sw = self.store.sublayers[name]
+        dst = self.store.slots[slot][:sw.nbytes]
+        self.slot_ready[slot] = self.accel.copy_async(dst, sw.host, after=self.slot_free_after[slot])
+        self.slot_content[slot] = name
+        self.copied_bytes += sw.nbytes
+
+    def _prime(self, streamed: list[str]) -> None:
+        """Make sure the first streamed sub-layers are in (or on their way to) the slots."""
+        want = streamed[:len(self.store.slots)]
+        free = [s for s, c in enumerate(self.slot_content) if c not in want]
+        for name in want:
+            if name not in self.slot_content:
+                self._load(free.pop(0), name)
+
+    def _after_streamed(self, name: str, streamed: list[str]) -> None:
+        """The slot holding `name` is free once this compute ends: fill it with the next in line."""
+        slot = self.slot_content.index(name)
+        self.slot_free_after[slot] = self.accel.compute_event()
+        n = len(streamed)
+        if n <= len(self.store.slots):
+            return  # every streamed sub-layer has a slot of its own: nothing to cycle
+        nxt = streamed[(streamed.index(name) + len(self.store.slots)) % n]
+        if nxt not in self.slot_content:
+            self._load(slot, nxt)
+
+    def _weights(self, name: str) -> dict[str, torch.Tensor]:
+        p = self.plan.placement[name]
+        if p is Placement.RESIDENT:
+            return self.store.resident[name][1]
+        if p is Placement.STREAMED:
+            slot = self.slot_content.index(name)
+            self.slot_ready[slot].wait_compute()
+            return self.store.sublayers[name].views(self.store.slots[slot])
+        return self.store.sublayers[name].host_views
+
+    # ---- one step ------------------------------------------------------------------------------
+    def forward(self, seq: Sequence, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Run `ids` (new tokens of `seq`) through the model; return float32 CPU logits for the last
+        token, or for every new token with `all_logits`. The KV cache grows by len(ids) tokens."""
+        cfg, n, start = self.cfg, len(ids), seq.length
+        self.kv.reserve(seq, n)
+        positions = torch.arange(start, start + n)
+        gpu = self.accel.device if self.accel is not None else None
+        cos_sin = {torch.device("cpu"): self.rope.cos_sin(positions, torch.device("cpu"), self.dtype)}
+        masks = {torch.device("cpu"): dense.attention_mask(n, start, cfg.sliding_window, "cpu")}
+        if gpu is not None and gpu.type != "cpu":
+            cos_sin[gpu] = tuple(t.to(gpu) for t in cos_sin[torch.device("cpu")])
+            masks[gpu] = None if masks[torch.device("cpu")] is None else masks[torch.device("cpu")].to(gpu)
+        x = torch.tensor(ids, dtype=torch.long)
+        streamed = self._streamed_order() if self.accel is not None else []
+        if streamed:
+            self._prime(streamed)
+        for name in self.order:
+            if self.between_sublayers is not None and self.between_sublayers():
+                streamed = self._streamed_order()
+                here = self.order.index(name)
+                if streamed:
+                    self._prime([s for s in streamed if self.order.index(s) >= here])
+            on_gpu = self.plan.placement[name] is not Placement.CPU
+            x = self._move(x, on_gpu)
+            w = self._weights(name)
+            dev = x.device
+            if name == "embed":
+                x = dense.embed_tokens(w, x)
+            elif name == "head":
+                x = dense.output_head(cfg, w, x if all_logits else x[-1:])
+            elif name.endswith(".attn"):
+                layer = int(name.split(".")[1])
+                x = self._attention(layer, w, x, seq, start, cos_sin[dev], masks[dev])
+            else:
+                x = dense.ffn_block(cfg, w, x)
+            if streamed and self.plan.placement[name] is Placement.STREAMED:
+                self._after_streamed(name, streamed)
+        seq.length = start + n
+        seq.token_ids.extend(ids)
+        return self._move(x, False)
+
+    def _attention(self, layer, w, x, seq, start, cos_sin, mask):
+        want_gpu = self.plan.placement[f"layers.{layer}.attn"] is not Placement.CPU
+        if self.kv.pools[layer].on_gpu != want_gpu:
+            self.kv.place_layer(layer, want_gpu)
+        length = start + x.shape[0]
+
+        def write(k, v):
+            self.kv.write(layer, seq, start, k, v)
+
+        def read():
+            return self.kv.read(layer, seq, length)
+
+        return dense.attention_block(self.cfg, w, x, cos_sin[0], cos_sin[1], write, read, mask)
+
+    def _move(self, x: torch.Tensor, to_gpu: bool) -> torch.Tensor:
+        if self.accel is None or self.accel.kind == "sim":
+            return x
+        if to_gpu and x.device.type == "cpu":
+            return self.accel.to_device(x)
+        if not to_gpu and x.device.type != "cpu":
+            return self.accel.to_host(x)
+        return x
+
+    def close(self) -> None:
+        if self.accel is not None:
+            self._drain_slots()
+            self.store.close()
+            self.kv.close()
+            self.accel.unbook(self.scratch_booked, "scratch")
+            self.scratch_booked = 0
+        self.plan = None
+
+
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK_SIZE)
