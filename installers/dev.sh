@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Set up (idempotently) and run Slipstream from a source checkout.
+#   bash installers/dev.sh app [app options]    the tray app on the bundled default model
+#   bash installers/dev.sh test [pytest options] the test suite
+#   bash installers/dev.sh engine [args]        the engine CLI (python -m engine ...)
+# Everything goes into .venv beside this checkout. The first run builds llama-cpp-python from source
+# (about 11 minutes on 2 cores; pip caches the wheel afterwards).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what="${1:-app}"; shift || true
+PY="${PYTHON:-python3}"
+VENV=.venv
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+V="$VENV/bin/python"
+
+extras="engine,app"
+[ "$what" = test ] && extras="test"
+stamp="$VENV/.slipstream-$extras-$(sha1sum pyproject.toml | cut -c1-12)"
+if [ ! -e "$stamp" ]; then
+  echo "Slipstream: installing into $VENV (extras: $extras) ..." >&2
+  "$V" -m pip install -q --upgrade pip
+  # PyTorch: keep one that is already there (e.g. a CUDA build); otherwise the CPU build.
+  "$V" -c "import torch" 2>/dev/null || "$V" -m pip install -q "torch==2.13.0"
+  "$V" -m pip install -q -e ".[$extras]"
+  touch "$stamp"
+fi
+
+case "$what" in
+  app)
+    if [ -z "${DISPLAY:-}${WAYLAND_DISPLAY:-}" ] && [ "$(uname)" = Linux ]; then
+      if command -v xvfb-run >/dev/null; then exec xvfb-run -a "$V" -m app --show-chat "$@"; fi
+      echo "Slipstream: no display found; running offscreen (set DISPLAY to see the window)" >&2
+      export QT_QPA_PLATFORM=offscreen
+    fi
+    exec "$V" -m app --show-chat "$@" ;;
+  test)
+    export QT_QPA_PLATFORM=offscreen
+    exec "$V" -m pytest -q "$@" ;;
+  engine)
+    exec "$V" -m engine "$@" ;;
+  *) echo "usage: bash installers/dev.sh app|test|engine [args]" >&2; exit 2 ;;
+esac
