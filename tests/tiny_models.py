@@ -69,41 +69,92 @@ _ARCH_DEFAULTS: dict[str, dict] = {
 }
 
 
-def build_tokenizer(add_bos: bool = True, vocab_size: int = 384):
-    """A byte-level BPE `tokenizers.Tokenizer` trained on TRAINING_TEXT (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+UNK = "<unk>"
+_BYTE_SPLITS = {  # the pre-tokenizer regexes of Llama-3 and Qwen2 (tokenizer.json data)
+    "llama3": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+",
+}
+# Tokenizer style per arch, as the real families ship them: Llama-2/Mistral SentencePiece-style BPE,
+# Llama-3 byte-level BPE, Qwen2 byte-level BPE with NFC.
+TOKENIZER_STYLE = {"llama": "spm", "mistral": "spm", "llama3": "llama3", "qwen2": "qwen2", "qwen3": "qwen2"}
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+
+def build_tokenizer(style: str = "llama3", add_bos: bool = True):
+    """A real `tokenizers.Tokenizer` trained on TRAINING_TEXT (deterministic): "spm" (▁ + byte
+    fallback, 512 tokens), "llama3" or "qwen2" (byte-level, 384 tokens)."""
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
     )
-    tok.train_from_iterator([TRAINING_TEXT] * 3, trainer=trainer)
-    bos_id = tok.token_to_id(BOS)
+
+    if style == "spm":
+        tok = _build_spm()
+    else:
+        tok = Tokenizer(models.BPE(ignore_merges=style == "llama3"))
+        if style == "qwen2":
+            tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_BYTE_SPLITS[style]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator([TRAINING_TEXT] * 3, trainer=trainer)
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(
-            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)])
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
 
 
-def _write_tokenizer(folder: Path, add_bos: bool) -> dict[str, int]:
-    tok = build_tokenizer(add_bos=add_bos)
+def _build_spm():
+    """SentencePiece-style BPE like Llama-2's tokenizer.json: pieces ranked by score, merges for every
+    split of a piece into two pieces, "▁" for spaces, a space prefix, and <0xNN> byte fallback."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from engine.loading.gguf_tokenizer import spm_merges
+
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    learner.train_from_iterator([TRAINING_TEXT] * 3, trainer=trainers.BpeTrainer(
+        vocab_size=250, show_progress=False))
+    pieces = [t for t, _ in sorted(learner.get_vocab().items(), key=lambda kv: kv[1])]
+    byte_tokens = [f"<0x{i:02X}>" for i in range(256)]
+    tokens = [UNK, *SPECIAL_TOKENS, *byte_tokens, *pieces]
+    scores = [0.0] * (1 + len(SPECIAL_TOKENS) + 256) + [-float(i) for i in range(len(pieces))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab, spm_merges(tokens, scores), unk_token=UNK, fuse_unk=True,
+                               byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in [UNK, *SPECIAL_TOKENS]])
+    return tok
+
+
+def _write_tokenizer(folder: Path, style: str, add_bos: bool) -> dict[str, int]:
+    tok = build_tokenizer(style, add_bos=add_bos)
     tok.save(str(folder / "tokenizer.json"))
+    unk = UNK if style == "spm" else None
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": None,
-        "add_bos_token": add_bos, "add_eos_token": False,
+        "bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": unk,
         "clean_up_tokenization_spaces": False,
         "model_max_length": _BASE["max_position_embeddings"],
         "chat_template": CHAT_TEMPLATE,
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     (folder / "special_tokens_map.json").write_text(json.dumps(
-        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD}, indent=2))
+        {"bos_token": BOS, "eos_token": EOS, "pad_token": PAD, "unk_token": unk}, indent=2))
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}
     ids["vocab_size"] = tok.get_vocab_size()
     return ids
@@ -138,7 +189,7 @@ def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, dtype: str = 
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     add_bos = arch in ("llama", "llama3", "mistral")
-    ids = _write_tokenizer(folder, add_bos=add_bos)
+    ids = _write_tokenizer(folder, TOKENIZER_STYLE[arch], add_bos=add_bos)
 
     kwargs = {**_BASE, **_ARCH_DEFAULTS[arch], **config_overrides}
     if arch == "qwen2":

@@ -1,0 +1,247 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> canonical weights, tokenizer metadata -> tokenizer.
+
+Read with the `gguf` package's memory-mapped `GGUFReader`. F32/F16/BF16 tensors keep their precision;
+quantized ones (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...) are dequantized to float32. llama.cpp's
+converter permutes the rows of Q and K for the "llama" architecture (its RoPE rotates adjacent pairs,
+transformers' rotates halves); that permutation is undone here so the weights are in transformers'
+layout. A llama3-style `rope_freqs.weight` tensor is turned back into a Hugging Face rope_scaling dict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import ModelConfig, weight_names
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.loading.gguf_tokenizer import EOG_TEXTS, build_gguf_tokenizer
+from engine.loading.rope_factors import llama3_scaling_from_factors
+from engine.loading.tokenizer import ChatTokenizer
+
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+_PERMUTED_ARCHS = ("llama",)
+_UNQUANTIZED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",
+    "attn_q.weight": "q.weight", "attn_k.weight": "k.weight", "attn_v.weight": "v.weight",
+    "attn_output.weight": "o.weight", "attn_q.bias": "q.bias", "attn_k.bias": "k.bias",
+    "attn_v.bias": "v.bias", "attn_q_norm.weight": "q_norm.weight", "attn_k_norm.weight": "k_norm.weight",
+    "ffn_gate.weight": "gate.weight", "ffn_up.weight": "up.weight", "ffn_down.weight": "down.weight",
+}
+_TOP_NAMES = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
+              "output.weight": "head.weight"}
+
+
+def canonical_name(gguf_name: str) -> str | None:
+    if gguf_name in _TOP_NAMES:
+        return _TOP_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Inverse of llama.cpp's Q/K permute: per head, rows (pairs interleaved) -> (halves)."""
+    rows = w.shape[0]
+    return (w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2)
+            .reshape(w.shape).contiguous())
+
+
+def permute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's converter permutation (transformers' layout -> GGUF's), for writing test files."""
+    rows = w.shape[0]
+    return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+class GgufFile:
+    """One GGUF file: `.config`, `.file_type`, `.weights()`, `.tokenizer()`."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            from gguf import GGUFReader
+
+            self.reader = GGUFReader(str(self.path), "r")
+        except Exception as exc:  # ValueError, struct errors, mmap errors on truncated/corrupt files
+            reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({reason})") from exc
+        self.meta = {name: field for name, field in self.reader.fields.items()}
+        self.arch = self._get("general.architecture", str)
+        if self.arch not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(f"{self.path}: general.architecture '{self.arch}' is not supported "
+                                        f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.config = self._read_config()
+        self.file_type = self._file_type()
+
+    # ---- metadata ----------------------------------------------------------------------------
+    def _get(self, key: str, kind: type | None = None, default=...):
+        field = self.meta.get(key)
+        if field is None:
+            if default is ...:
+                raise ModelLoadError(f"{self.path}: required metadata '{key}' is missing")
+            return default
+        try:
+            value = field.contents()
+        except Exception as exc:
+            raise ModelLoadError(f"{self.path}: metadata '{key}' cannot be read ({exc})") from exc
+        if kind is float and isinstance(value, int):
+            value = float(value)
+        if kind is not None and not isinstance(value, kind):
+            raise ModelLoadError(f"{self.path}: metadata '{key}' = {value!r} is not a {kind.__name__}")
+        return value
+
+    def _read_config(self) -> ModelConfig:
+        a = self.arch
+        heads = self._get(f"{a}.attention.head_count", int)
+        hidden = self._get(f"{a}.embedding_length", int)
+        tokens = self._get("tokenizer.ggml.tokens", list, default=None)
+        vocab = self._get(f"{a}.vocab_size", int, default=None)
+        if vocab is None and "token_embd.weight" in self.tensors:
+            vocab = int(self.tensors["token_embd.weight"].shape[1])
+        vocab = vocab or (len(tokens) if tokens else None)
+        if not vocab:
+            raise ModelLoadError(f"{self.path}: vocabulary size unknown ({a}.vocab_size missing)")
+        head_dim = self._get(f"{a}.attention.key_length", int, default=None) or hidden // heads
+        rope_theta = self._get(f"{a}.rope.freq_base", float, default=10000.0)
+        eos = [self._get(f"tokenizer.ggml.{k}_token_id", int, default=None) for k in ("eos", "eot", "eom")]
+        bos = self._get("tokenizer.ggml.bos_token_id", int, default=None)
+        return ModelConfig(
+            arch=a, vocab_size=vocab, hidden_size=hidden,
+            intermediate_size=self._get(f"{a}.feed_forward_length", int),
+            num_layers=self._get(f"{a}.block_count", int),
+            num_heads=heads,
+            num_kv_heads=self._get(f"{a}.attention.head_count_kv", int, default=heads),
+            head_dim=head_dim,
+            rms_norm_eps=self._get(f"{a}.attention.layer_norm_rms_epsilon", float, default=1e-5),
+            rope_theta=rope_theta,
+            rope_scaling=self._rope_scaling(head_dim, rope_theta),
+            max_position_embeddings=self._get(f"{a}.context_length", int, default=4096),
+            tie_word_embeddings="output.weight" not in self.tensors,
+            attention_bias="blk.0.attn_q.bias" in self.tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in self.tensors,
+            sliding_window=self._get(f"{a}.attention.sliding_window", int, default=None),
+            dtype=self._dtype(),
+            bos_token_id=bos,
+            eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
+        )
+
+    def _rope_scaling(self, head_dim: int, rope_theta: float) -> tuple | None:
+        kind = self._get(f"{self.arch}.rope.scaling.type", str, default="none")
+        if "rope_freqs.weight" in self.tensors:
+            factors = self._tensor(self.tensors["rope_freqs.weight"]).float()
+            scaling = llama3_scaling_from_factors(factors, head_dim, rope_theta)
+            if scaling is None:
+                raise UnsupportedModelError(f"{self.path}: rope_freqs.weight does not follow llama3 "
+                                            "rope scaling")
+            return tuple(sorted(scaling.items())) if scaling else None
+        if kind in ("none", ""):
+            return None
+        if kind == "linear":
+            return (("factor", self._get(f"{self.arch}.rope.scaling.factor", float)), ("rope_type", "linear"))
+        if kind == "yarn":
+            return (("factor", self._get(f"{self.arch}.rope.scaling.factor", float)),
+                    ("original_max_position_embeddings",
+                     self._get(f"{self.arch}.rope.scaling.original_context_length", int)),
+                    ("rope_type", "yarn"))
+        raise UnsupportedModelError(f"{self.path}: {self.arch}.rope.scaling.type '{kind}' is not supported")
+
+    def _matrix_types(self) -> list[str]:
+        return [t.tensor_type.name for t in self.reader.tensors if len(t.shape) >= 2]
+
+    def _dtype(self) -> str:
+        types = self._matrix_types()
+        if any(t not in _UNQUANTIZED for t in types):
+            return "float32"   # quantized weights are dequantized to float32
+        return _UNQUANTIZED[max(set(types), key=types.count)] if types else "float32"
+
+    def _file_type(self) -> str:
+        from gguf import LlamaFileType
+
+        code = self._get("general.file_type", int, default=None)
+        try:
+            return LlamaFileType(code).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+        except ValueError:
+            types = self._matrix_types()
+            return max(set(types), key=types.count) if types else "F32"
+
+    # ---- weights -----------------------------------------------------------------------------
+    def _tensor(self, t) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        shape = tuple(int(d) for d in reversed(t.shape))
+        kind = t.tensor_type.name
+        try:
+            if kind == "F32":
+                arr = np.array(t.data, dtype=np.float32)
+            elif kind == "F16":
+                arr = np.array(t.data, dtype=np.float16)
+            elif kind == "BF16":
+                raw = torch.from_numpy(np.array(t.data).view(np.int16).copy())
+                return raw.view(torch.bfloat16).reshape(shape)
+            else:
+                arr = dequantize(t.data, t.tensor_type)
+        except NotImplementedError as exc:
+            raise UnsupportedModelError(f"{self.path}: tensor '{t.name}' has type {kind}, which cannot be "
+                                        "dequantized") from exc
+        except Exception as exc:
+            raise ModelLoadError(f"{self.path}: tensor '{t.name}' cannot be read ({exc})") from exc
+        return torch.from_numpy(np.ascontiguousarray(arr)).reshape(shape)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """All weights under canonical names (Q/K un-permuted for llama)."""
+        from engine.loading.hf import check_shapes
+
+        cfg = self.config
+        expected = {n for group in weight_names(cfg).values() for n in group}
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self.tensors.items():
+            canon = canonical_name(name)
+            if canon is None or canon not in expected:
+                if name == "rope_freqs.weight":
+                    continue
+                raise UnsupportedModelError(f"{self.path}: tensor '{name}' is not part of a {cfg.arch} model")
+            w = self._tensor(t)
+            if self.arch in _PERMUTED_ARCHS and canon.endswith((".q.weight", ".k.weight", ".q.bias",
+                                                                ".k.bias")):
+                heads = cfg.num_heads if ".q." in canon else cfg.num_kv_heads
+                w = unpermute_rope_rows(w, heads)
+            out[canon] = w
+        missing = sorted(expected - out.keys())
+        if missing:
+            raise ModelLoadError(f"{self.path}: {len(missing)} weights missing, e.g. '{missing[0]}'")
+        check_shapes(out, cfg, str(self.path))
+        return out
+
+    # ---- tokenizer ---------------------------------------------------------------------------
+    def tokenizer(self) -> ChatTokenizer:
+        from tokenizers import processors
+
+        tokens = self._get("tokenizer.ggml.tokens", list)
+        types = self._get("tokenizer.ggml.token_type", list, default=None) or [1] * len(tokens)
+        model = self._get("tokenizer.ggml.model", str)
+        backend = build_gguf_tokenizer(
+            model, tokens, types, pre=self._get("tokenizer.ggml.pre", str, default=""),
+            merges=self._get("tokenizer.ggml.merges", list, default=None),
+            scores=self._get("tokenizer.ggml.scores", list, default=None),
+            add_space_prefix=self._get("tokenizer.ggml.add_space_prefix", bool, default=model == "llama"),
+            source=str(self.path))
+        cfg = self.config
+        bos = tokens[cfg.bos_token_id] if cfg.bos_token_id is not None and cfg.bos_token_id < len(tokens) else None
+        add_bos = self._get("tokenizer.ggml.add_bos_token", bool, default=model == "llama")
+        add_eos = self._get("tokenizer.ggml.add_eos_token", bool, default=False)
+        eos_id = cfg.eos_token_ids[0] if cfg.eos_token_ids else None
+        eos = tokens[eos_id] if eos_id is not None and eos_id < len(tokens) else None
+        parts = [(bos, add_bos and bos is not None), (eos, add_eos and eos is not None)]
+        single = " ".join([f"{bos}:0"] * parts[0][1] + ["$A:0"] + [f"{eos}:0"] * parts[1][1])
+        backend.post_processor = processors.TemplateProcessing(
+            single=single, pair=f"{single} $B:1",
+            special_tokens=[(t, backend.token_to_id(t)) for t, on in parts if on])
+        eog = {i for i in cfg.eos_token_ids if i < len(tokens)}
+        eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
+        return ChatTokenizer(backend, bos_token=bos, eos_token=eos, eos_token_ids=eog,
+                             chat_template=self._get("tokenizer.chat_template", str, default=None),
+                             name=self.path.name)

@@ -1,0 +1,270 @@
+"""Hugging Face model folders: config.json -> ModelConfig, safetensors -> canonical weights, tokenizer.
+
+Weights are read with safetensors' memory-mapped `safe_open`, one tensor at a time, and kept at the
+precision stored (nothing is converted, so peak memory is the model's size once). Single files and
+sharded checkpoints (`model.safetensors.index.json`) are both read. Names are translated from the
+transformers layout (`model.layers.3.self_attn.q_proj.weight`) to the engine's (`layers.3.q.weight`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from engine.config import DENSE_ARCHS, ModelConfig, weight_names
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.loading.tokenizer import ChatTokenizer
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "q.weight", "self_attn.k_proj.weight": "k.weight",
+    "self_attn.v_proj.weight": "v.weight", "self_attn.o_proj.weight": "o.weight",
+    "self_attn.q_proj.bias": "q.bias", "self_attn.k_proj.bias": "k.bias", "self_attn.v_proj.bias": "v.bias",
+    "self_attn.q_norm.weight": "q_norm.weight", "self_attn.k_norm.weight": "k_norm.weight",
+    "mlp.gate_proj.weight": "gate.weight", "mlp.up_proj.weight": "up.weight",
+    "mlp.down_proj.weight": "down.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
+              "lm_head.weight": "head.weight"}
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
+           "half": "float16", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def canonical_name(hf_name: str) -> str | None:
+    """The engine's name for a transformers tensor name; None when it is not one we know."""
+    if hf_name in _TOP_NAMES:
+        return _TOP_NAMES[hf_name]
+    m = _LAYER_RE.match(hf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelLoadError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def _field(cfg: dict, key: str, kind: type, where: Path, default=...):
+    value = cfg.get(key)
+    if value is None:
+        if default is ...:
+            raise ModelLoadError(f"{where}: required field '{key}' is missing")
+        return default
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool) != (kind is bool):
+        raise ModelLoadError(f"{where}: field '{key}' = {value!r} is not a {kind.__name__}")
+    if kind is int and value <= 0:
+        raise ModelLoadError(f"{where}: field '{key}' = {value} must be positive")
+    return value
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def read_hf_config(folder: Path) -> ModelConfig:
+    """Translate config.json (and generation_config.json) into a ModelConfig; reads no weights."""
+    path = folder / "config.json"
+    raw = _read_json(path)
+    arch = raw.get("model_type")
+    if arch is None:
+        raise ModelLoadError(f"{path}: required field 'model_type' is missing")
+    if arch not in DENSE_ARCHS:
+        raise UnsupportedModelError(
+            f"{path}: model_type '{arch}' is not supported (supported: {', '.join(DENSE_ARCHS)})")
+    hidden = _field(raw, "hidden_size", int, path)
+    heads = _field(raw, "num_attention_heads", int, path)
+    head_dim = _field(raw, "head_dim", int, path, default=None) or hidden // heads
+    rope_params = dict(raw.get("rope_parameters") or {})
+    rope_theta = _field(raw, "rope_theta", float, path, default=None) or rope_params.pop("rope_theta", None)
+    rope_params.pop("rope_theta", None)
+    scaling = dict(raw.get("rope_scaling") or rope_params)
+    if "type" in scaling:
+        scaling.setdefault("rope_type", scaling.pop("type"))
+    if scaling.get("rope_type", "default") == "default":
+        scaling = {}
+    window = raw.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        window = None
+    gen = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
+    eos = list(dict.fromkeys(_ids(raw.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
+    bos = raw.get("bos_token_id", gen.get("bos_token_id"))
+    dtype_name = raw.get("dtype") or raw.get("torch_dtype") or _stored_dtype(folder)
+    if dtype_name not in _DTYPES:
+        raise UnsupportedModelError(f"{path}: dtype '{dtype_name}' is not supported "
+                                    "(expected float32, bfloat16 or float16)")
+    return ModelConfig(
+        arch=arch,
+        vocab_size=_field(raw, "vocab_size", int, path),
+        hidden_size=hidden,
+        intermediate_size=_field(raw, "intermediate_size", int, path),
+        num_layers=_field(raw, "num_hidden_layers", int, path),
+        num_heads=heads,
+        num_kv_heads=_field(raw, "num_key_value_heads", int, path, default=heads),
+        head_dim=head_dim,
+        rms_norm_eps=_field(raw, "rms_norm_eps", float, path, default=1e-6),
+        rope_theta=float(rope_theta or 10000.0),
+        rope_scaling=tuple(sorted(scaling.items())) or None,
+        max_position_embeddings=_field(raw, "max_position_embeddings", int, path, default=4096),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
+        qk_norm=arch == "qwen3",
+        sliding_window=int(window) if window else None,
+        dtype=_DTYPES[dtype_name],
+        bos_token_id=int(bos) if bos is not None else None,
+        eos_token_ids=tuple(eos),
+    )
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The checkpoint's files: the shards an index names, else the folder's *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ModelLoadError(f"{index}: field 'weight_map' is missing or empty")
+        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{f}: shard named in {index.name} is missing")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights (pytorch .bin files are not supported)")
+    return files
+
+
+def _open(file: Path):
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as exc:  # SafetensorError, OSError: a truncated or corrupt file
+        raise ModelLoadError(f"{file}: not a readable safetensors file ({exc})") from exc
+
+
+def _stored_dtype(folder: Path) -> str:
+    """The dtype of the largest-named tensor's header entry, for configs that do not say it."""
+    try:
+        files = safetensors_files(folder)
+    except ModelLoadError:
+        return "float32"
+    with _open(files[0]) as f:
+        keys = list(f.keys())
+        return f.get_slice(keys[0]).get_dtype() if keys else "F32"
+
+
+def load_hf_weights(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """All weights under canonical names, at the stored precision; checks names and shapes."""
+    expected = {n for group in weight_names(cfg).values() for n in group}
+    weights: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(folder):
+        with _open(file) as f:
+            for hf_name in list(f.keys()):
+                name = canonical_name(hf_name)
+                if name == "head.weight" and cfg.tie_word_embeddings:
+                    continue  # a tied checkpoint may still store the head; the embedding is the head
+                if name is None or name not in expected:
+                    if _IGNORED.search(hf_name):
+                        continue
+                    raise UnsupportedModelError(f"{file}: tensor '{hf_name}' is not part of a "
+                                                f"{cfg.arch} model as configured in config.json")
+                try:
+                    weights[name] = f.get_tensor(hf_name)
+                except Exception as exc:
+                    raise ModelLoadError(f"{file}: tensor '{hf_name}' cannot be read ({exc})") from exc
+    missing = sorted(expected - weights.keys())
+    if missing:
+        raise ModelLoadError(f"{folder}: {len(missing)} weights missing, e.g. '{missing[0]}'")
+    check_shapes(weights, cfg, str(folder))
+    return weights
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The shape every canonical weight must have under `cfg`."""
+    h, q, kv, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
+    per_layer = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,), "q.weight": (q, h),
+                 "k.weight": (kv, h), "v.weight": (kv, h), "o.weight": (h, q), "q.bias": (q,),
+                 "k.bias": (kv,), "v.bias": (kv,), "q_norm.weight": (d,), "k_norm.weight": (d,),
+                 "gate.weight": (cfg.intermediate_size, h), "up.weight": (cfg.intermediate_size, h),
+                 "down.weight": (h, cfg.intermediate_size)}
+    shapes = {"embed.weight": (cfg.vocab_size, h), "norm.weight": (h,), "head.weight": (cfg.vocab_size, h)}
+    for name in (n for group in weight_names(cfg).values() for n in group):
+        if name.startswith("layers."):
+            shapes[name] = per_layer[name.split(".", 2)[2]]
+    return shapes
+
+
+def check_shapes(weights: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:
+    shapes = expected_shapes(cfg)
+    for name, t in weights.items():
+        if tuple(t.shape) != shapes[name]:
+            raise ModelLoadError(f"{source}: weight '{name}' has shape {tuple(t.shape)}, "
+                                 f"config says {shapes[name]}")
+
+
+def _token_str(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(folder: Path, tok_cfg: dict) -> str | None:
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    template = tok_cfg.get("chat_template")
+    if template is None and (folder / "chat_template.json").is_file():
+        template = _read_json(folder / "chat_template.json").get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+def load_hf_tokenizer(folder: Path, cfg: ModelConfig) -> ChatTokenizer:
+    """tokenizer.json + tokenizer_config.json (special tokens, add_bos/add_eos, chat template)."""
+    from tokenizers import Tokenizer, processors
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{folder}: no tokenizer.json (only 'fast' tokenizers are supported)")
+    try:
+        backend = Tokenizer.from_file(str(path))
+    except Exception as exc:
+        raise ModelLoadError(f"{path}: not a readable tokenizers file ({exc})") from exc
+    tok_cfg = _read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    if (folder / "special_tokens_map.json").is_file():
+        tok_cfg = {**_read_json(folder / "special_tokens_map.json"), **tok_cfg}
+    specials = {k: _token_str(tok_cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    # transformers (v5) rebuilds the post-processor from add_bos_token/add_eos_token when the config
+    # names either flag, or when tokenizer.json has none.
+    if "add_bos_token" in tok_cfg or "add_eos_token" in tok_cfg or backend.post_processor is None:
+        bos, eos = (specials[k] if tok_cfg.get(f"add_{k}") and specials[k] is not None
+                    and backend.token_to_id(specials[k]) is not None else None
+                    for k in ("bos_token", "eos_token"))
+        single = " ".join([f"{bos}:0"] * bool(bos) + ["$A:0"] + [f"{eos}:0"] * bool(eos))
+        pair = " ".join([single] + [f"{bos}:1"] * bool(bos) + ["$B:1"] + [f"{eos}:1"] * bool(eos))
+        pairs = [(t, backend.token_to_id(t)) for t in (bos, eos) if t]
+        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=pairs)
+    return ChatTokenizer(
+        backend, bos_token=specials["bos_token"], eos_token=specials["eos_token"],
+        eos_token_ids=set(cfg.eos_token_ids), chat_template=_chat_template(folder, tok_cfg),
+        special_tokens=specials, name=folder.name)
