@@ -16,6 +16,13 @@ from monitor.budget import MODES, BudgetEvent, BudgetPolicy
 from monitor.units import parse_size
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m monitor", description="Slipstream's VRAM monitor.")
     ap.add_argument("--once", action="store_true", help="take one sample, print it and exit")
@@ -25,8 +32,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
     ap.add_argument("--gpu", type=int, default=0, help="the GPU the budget is for (default 0)")
     ap.add_argument("--mode", choices=MODES, default="auto")
-    ap.add_argument("--cap", type=parse_size, default=None, help="user cap, e.g. 6GiB")
-    ap.add_argument("--reserve", type=parse_size, default=1 << 30, help="kept free for others (default 1GiB)")
+    ap.add_argument("--cap", type=_size, default=None, help="user cap, e.g. 6GiB")
+    ap.add_argument("--reserve", type=_size, default=1 << 30, help="kept free for others (default 1GiB)")
     ap.add_argument("--replay", metavar="TRACE", help="replay a recorded trace through the fake NVML")
     ap.add_argument("--record", metavar="FILE", help="write what was seen as a replayable trace")
     ap.add_argument("--overhead", type=float, metavar="SECONDS", help="measure the CPU cost of sampling")

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from monitor.units import format_size, parse_size
 
 MODES = ("auto", "fixed", "pause_when_gaming")
+_EPS = 1e-6   # seconds: a hold of 3 s sampled at 0.1 s ends at the 30th sample despite float sums
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,7 +137,7 @@ class BudgetPolicy:
         if self._rise_since is None:   # slow path up: start the hold
             self._rise_since, self._rise_min, self._rise_cause = now, room, cause
         self._rise_min = min(self._rise_min, room)
-        if now - self._rise_since < self.hold_s:
+        if now - self._rise_since < self.hold_s - _EPS:
             return ""
         self._room, self._rise_since = self._settle(self._rise_min), None
         why = self._rise_cause or f"other processes' use fell to {format_size(others)}"
@@ -156,7 +157,7 @@ class BudgetPolicy:
             return ""
         if self._clear_since is None:
             self._clear_since = now
-        if now - self._clear_since < self.hold_s:
+        if now - self._clear_since < self.hold_s - _EPS:
             return ""
         self._paused, self._clear_since = False, None
         return f"resumed: no game for {self.hold_s:g} s"
