@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
@@ -41,19 +40,21 @@ def resolve_device(device: str) -> str:
 
 
 class TorchEngine(Engine):
+    """`path`: a GGUF file or Hugging Face folder, or an already loaded `LoadedModel` (benchmarks)."""
+
     backend = "torch"
 
-    def __init__(self, path: Path, *, device: str = "auto", vram_budget=None, n_ctx: int | None = None,
+    def __init__(self, path, *, device: str = "auto", vram_budget=None, n_ctx: int | None = None,
                  tiers: tuple[int, ...] = DEFAULT_TIERS, kind: str = "auto", profile=None,
                  progress=None):
         super().__init__()
-        from engine.loading import load_model
+        from engine.loading import LoadedModel, load_model
         from engine.sharding.device import Accelerator
         from engine.sharding.executor import Executor
 
         self.device = resolve_device(device)
-        loaded = load_model(path)
-        self.source = str(path)
+        loaded = path if isinstance(path, LoadedModel) else load_model(path)
+        self.source = str(loaded.source)
         self.file_type = loaded.file_type
         self.config = cfg = loaded.config
         self.tokenizer = loaded.tokenizer
