@@ -226,3 +226,144 @@ def tiny_model_cache(arch: str, **options) -> Path:
             atexit.register(shutil.rmtree, _cache_root, ignore_errors=True)
         _cache[key] = make_tiny_model(arch, _cache_root / f"m{len(_cache)}-{arch}", **options)
     return _cache[key]
+
+
+# ---- GGUF files written from tiny HF folders (what llama.cpp's converter would write) -------------
+
+_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+
+
+def _gguf_name(hf: str) -> str:
+    if hf in _GGUF_TOP:
+        return _GGUF_TOP[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}.{_GGUF_LAYER[rest]}"
+
+
+def _converter_permute(w, n_head: int):
+    """llama.cpp's convert_hf_to_gguf Q/K row permutation (rotate-half -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_freqs(cfg: dict):
+    import math
+
+    import numpy as np
+
+    rp = cfg.get("rope_parameters") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg["rope_theta"]}
+    dim = cfg["head_dim"]
+    old, low, high, factor = (rp["original_max_position_embeddings"], rp["low_freq_factor"],
+                              rp["high_freq_factor"], rp["factor"])
+    out = []
+    for i in range(0, dim, 2):
+        wavelen = 2 * math.pi * rp["rope_theta"] ** (i / dim)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def _tokenizer_fields(folder: Path) -> dict:
+    """GGUF tokenizer metadata for a tiny folder's tokenizer.json (as the converter writes it)."""
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab = dict(data["model"]["vocab"])
+    added = {t["content"]: t for t in data["added_tokens"]}
+    for t in added.values():
+        vocab[t["content"]] = t["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    types = [3 if t in added and added[t]["special"] else 1 for t in tokens]
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    fields = {"tokens": tokens, "types": types, "chat_template": cfg["chat_template"]}
+    if data["model"].get("byte_fallback"):   # SentencePiece style: scores as _build_spm gave them
+        n_fixed = 1 + len(SPECIAL_TOKENS) + 256
+        fields.update(model="llama", scores=[0.0] * n_fixed + [-float(i) for i in range(len(tokens) - n_fixed)])
+        fields["types"] = [2 if t == UNK else 6 if t.startswith("<0x") and len(t) == 6 else k
+                           for t, k in zip(tokens, types)]
+    else:
+        merges = data["model"]["merges"]
+        fields.update(model="gpt2", merges=[m if isinstance(m, str) else " ".join(m) for m in merges],
+                      pre="qwen2" if data.get("normalizer") else "llama-bpe")
+    return fields
+
+
+def make_tiny_gguf(hf_folder: str | Path, path: str | Path, qtype: str = "F32") -> Path:
+    """Write the tiny HF model at `hf_folder` as a GGUF file, the way llama.cpp's converter does
+    (llama-family Q/K rows permuted, llama3 scaling as rope_freqs.weight, tied head omitted).
+    `qtype` is the type of the 2-D weights: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 (norms stay F32)."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    hf_folder, path = Path(hf_folder), Path(path)
+    cfg = json.loads((hf_folder / "config.json").read_text())
+    arch = _GGUF_ARCH[cfg["model_type"]]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(hf_folder.name)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_dimension_count(cfg["head_dim"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    rp = cfg.get("rope_parameters") or {}
+    w.add_rope_freq_base(rp.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_file_type(gguf.LlamaFileType[f"MOSTLY_{qtype}" if qtype != "F32" else "ALL_F32"])
+    tok = _tokenizer_fields(hf_folder)
+    w.add_tokenizer_model(tok["model"])
+    if "pre" in tok:
+        w.add_tokenizer_pre(tok["pre"])
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    if "scores" in tok:
+        w.add_token_scores(tok["scores"])
+    if "merges" in tok:
+        w.add_token_merges(tok["merges"])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    if tok["model"] == "llama":
+        w.add_unk_token_id(tok["tokens"].index(UNK))
+    w.add_add_bos_token(arch == "llama")
+    w.add_add_eos_token(False)
+    w.add_chat_template(tok["chat_template"])
+
+    tensors = {}
+    for f in sorted(hf_folder.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    if ((cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type")) == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg))
+    for name, t in tensors.items():
+        arr = t.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
+            arr = _converter_permute(arr, heads)
+        if arr.ndim == 2 and qtype != "F32":
+            q = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(arr, q), raw_dtype=q)
+        else:
+            w.add_tensor(_gguf_name(name), np.ascontiguousarray(arr))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -88,6 +88,8 @@ class GgufFile:
             value = field.contents()
         except Exception as exc:
             raise ModelLoadError(f"{self.path}: metadata '{key}' cannot be read ({exc})") from exc
+        if isinstance(value, float):
+            value = float(f"{np.float32(value)}")  # 1e-05 stored as float32 reads back as 1e-05
         if kind is float and isinstance(value, int):
             value = float(value)
         if kind is not None and not isinstance(value, kind):
@@ -107,7 +109,9 @@ class GgufFile:
             raise ModelLoadError(f"{self.path}: vocabulary size unknown ({a}.vocab_size missing)")
         head_dim = self._get(f"{a}.attention.key_length", int, default=None) or hidden // heads
         rope_theta = self._get(f"{a}.rope.freq_base", float, default=10000.0)
+        # End of generation as llama.cpp decides it: eos, eot, eom and the known end-of-turn tokens.
         eos = [self._get(f"tokenizer.ggml.{k}_token_id", int, default=None) for k in ("eos", "eot", "eom")]
+        eos += [i for i, t in enumerate(tokens or ()) if t in EOG_TEXTS]
         bos = self._get("tokenizer.ggml.bos_token_id", int, default=None)
         return ModelConfig(
             arch=a, vocab_size=vocab, hidden_size=hidden,
@@ -241,7 +245,6 @@ class GgufFile:
             single=single, pair=f"{single} $B:1",
             special_tokens=[(t, backend.token_to_id(t)) for t, on in parts if on])
         eog = {i for i in cfg.eos_token_ids if i < len(tokens)}
-        eog |= {i for i, t in enumerate(tokens) if t in EOG_TEXTS}
         return ChatTokenizer(backend, bos_token=bos, eos_token=eos, eos_token_ids=eog,
                              chat_template=self._get("tokenizer.chat_template", str, default=None),
                              name=self.path.name)

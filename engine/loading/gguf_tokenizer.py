@@ -26,6 +26,8 @@ _PRE_SPLITS: dict[str, tuple[str, ...]] = {
     "llama3": (_LLAMA3,), "qwen2": (_QWEN2,), "qwen35": (_QWEN35,), "gpt2": (_GPT2,),
     "starcoder": (r"\p{N}", _GPT2),
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"),
+    "falcon": (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"),
+    "deepseek-coder": (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}"),
 }
 _PRE_ALIASES = {
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "dbrx",
@@ -35,7 +37,7 @@ _PRE_ALIASES = {
     **dict.fromkeys(("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "roberta-bpe"), "gpt2"),
     **dict.fromkeys(("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva"),
                     "starcoder"),
-    "default": "default", "": "default",
+    "default": "default", "": "default", "falcon": "falcon", "deepseek-coder": "deepseek-coder",
 }
 _IGNORE_MERGES = {"llama3"}   # a word that is itself a token is taken whole (llama.cpp's ignore_merges)
 
