@@ -196,15 +196,16 @@ class Monitor:
         out, seen = [], {}
         own = self._own
         for r in raw:
-            ident = self._lookup.lookup(r.pid)
-            kinds = frozenset(r.kinds)
-            is_own = r.pid in own
-            reason = "" if is_own else self._known.classify(ident.name, ident.exe, kinds, r.vram)
-            p = ProcessSample(r.pid, ident.name, ident.exe, r.vram, r.gpu_index, kinds, bool(reason), is_own,
-                              reason)
             key = (r.pid, r.gpu_index)
-            prev = self._prev_procs.get(key)
-            p = prev if prev == p else p       # reuse unchanged samples: the history stays small
+            is_own = r.pid in own
+            p = self._prev_procs.get(key)
+            # Unchanged since the last sample: reuse it (no look-up, and the history shares the object).
+            if p is None or p.vram_bytes != r.vram or p.kinds != r.kinds or p.is_own != is_own:
+                ident = self._lookup.lookup(r.pid)
+                kinds = frozenset(r.kinds)
+                reason = "" if is_own else self._known.classify(ident.name, ident.exe, kinds, r.vram)
+                p = ProcessSample(r.pid, ident.name, ident.exe, r.vram, r.gpu_index, kinds, bool(reason), is_own,
+                                  reason)
             seen[key] = p
             out.append(p)
         self._prev_procs = seen
