@@ -34,6 +34,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=MODES, default="auto")
     ap.add_argument("--cap", type=_size, default=None, help="user cap, e.g. 6GiB")
     ap.add_argument("--reserve", type=_size, default=1 << 30, help="kept free for others (default 1GiB)")
+    ap.add_argument("--own", type=lambda t: {int(x) for x in t.split(",") if x}, default=set(),
+                    metavar="PID,PID", help="pids whose VRAM counts as Slipstream's own")
     ap.add_argument("--replay", metavar="TRACE", help="replay a recorded trace through the fake NVML")
     ap.add_argument("--record", metavar="FILE", help="write what was seen as a replayable trace")
     ap.add_argument("--overhead", type=float, metavar="SECONDS", help="measure the CPU cost of sampling")
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from monitor.sampling import Monitor
         mon = Monitor(interval_s=a.interval, policy=policy, gpu_index=a.gpu)
+    mon.set_own_pids(a.own)
     if a.once:
         snap = mon.sample_once()
         if a.json:

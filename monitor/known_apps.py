@@ -83,11 +83,11 @@ class KnownApps:
         if user_path is False:
             return known
         path = Path(user_path) if user_path else user_known_apps_path()
-        if path.exists():
-            try:
+        try:
+            if path.exists():
                 known.merge(json.loads(path.read_text(encoding="utf-8")))
-            except (OSError, ValueError, TypeError, AttributeError) as exc:
-                known.warnings.append(f"{path}: ignored, not a valid known-apps file ({exc})")
+        except (OSError, ValueError, TypeError, AttributeError) as exc:
+            known.warnings.append(f"{path}: ignored, not a valid known-apps file ({exc})")
         return known
 
     def merge(self, data: dict) -> None:

@@ -21,16 +21,17 @@ def render(snap: Snapshot, events: list[BudgetEvent] | None = None, width: int =
         state = "paused (gaming)" if snap.paused else ("gaming" if snap.gaming else "no game")
         lines.append(f"budget {format_size(snap.budget)}  mode {snap.mode}  {state}  "
                      f"ours {format_size(snap.own_vram)}  others {format_size(snap.others_vram)}")
-    lines.append("")
-    lines.append(f"{'GPU':>3} {'PID':>8} {'VRAM':>10}  {'TYPE':<8} {'WHO':<6} NAME / WHY")
+    if snap.gpus:
+        lines.append("")
+        lines.append(f"{'GPU':>3} {'PID':>8} {'VRAM':>10}  {'TYPE':<8} {'WHO':<6} NAME / WHY")
     for p in sorted(snap.processes, key=lambda p: (p.gpu_index, -(p.vram_bytes or 0), p.pid)):
         kind = "+".join(sorted(k[0].upper() for k in p.kinds))
         who = "ours" if p.is_own else ("game" if p.is_game else "")
         why = f"  [{p.reason}]" if p.reason else ""
         vram = format_size(p.vram_bytes) if p.vram_bytes is not None else "n/a"
         lines.append(f"{p.gpu_index:>3} {p.pid:>8} {vram:>10}  {kind:<8} {who:<6} {p.label}{why}"[:width])
-    if not snap.processes:
-        lines.append("    (no processes on the GPU)" if snap.gpus else "")
+    if snap.gpus and not snap.processes:
+        lines.append("    (no processes on the GPU)")
     for note in snap.notes:
         lines.append(f"note: {note}"[:width])
     if events:
