@@ -1,0 +1,58 @@
+"""`python -m app` / `slipstream`: start the tray app (`--show-chat` opens the chat window at start)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="slipstream", description="Slipstream: local LLMs in the VRAM a game "
+                                     "leaves free")
+    parser.add_argument("--show-chat", action="store_true", help="open the chat window at start")
+    parser.add_argument("--model", metavar="PATH", help="a GGUF file or Hugging Face folder for this run "
+                        "(default: the last one chosen, else the bundled SmolLM2-135M)")
+    parser.add_argument("--device", help="auto | cuda | cuda:N | cpu | sim (default: from settings)")
+    parser.add_argument("--backend", choices=("auto", "torch", "llamacpp"), help="engine backend")
+    parser.add_argument("--no-monitor", action="store_true", help="do not start the VRAM monitor")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from PySide6.QtWidgets import QApplication
+
+    from app import APP_NAME
+    from app.controller import AppController, LaunchOptions
+    from app.icons import app_icon
+    from app.single_instance import SingleInstance
+    from app.theme import apply_theme
+
+    app = QApplication(sys.argv[:1])
+    app.setApplicationName(APP_NAME)
+    app.setApplicationDisplayName(APP_NAME)
+    app.setQuitOnLastWindowClosed(False)
+    app.setWindowIcon(app_icon())
+    instance = SingleInstance()
+    if instance.notify_running("show-chat"):
+        print("Slipstream is already running: showing its chat window.", file=sys.stderr)
+        return 0
+    instance.listen()
+    apply_theme(app)
+    model = args.model
+    if model is not None:
+        from pathlib import Path
+
+        model = str(Path(model).expanduser().resolve())
+    controller = AppController(LaunchOptions(show_chat=args.show_chat, model=model, device=args.device,
+                                             backend=args.backend, start_monitor=not args.no_monitor))
+    instance.messageReceived.connect(lambda _m: controller.show_chat())
+    controller.start()
+    code = app.exec()
+    controller.quit()
+    instance.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

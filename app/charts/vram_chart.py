@@ -1,0 +1,72 @@
+"""VRAM over time, stacked by process (Slipstream at the bottom, then games, then others), with the
+budget line and the GPU's total memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyqtgraph as pg
+
+from app import theme
+from app.charts.ring_buffer import RingBuffer
+from app.charts.style import HISTORY_S, TICK_HZ, byte_unit, make_plot
+
+_T, _OWN, _GAMES, _OTHERS, _BUDGET, _TOTAL = range(6)
+
+
+class VramChart:
+    def __init__(self, window_s: float = 120.0):
+        self.window_s = window_s
+        self.buffer = RingBuffer(HISTORY_S * TICK_HZ, 6)
+        self.widget = make_plot("VRAM by process", "GiB")
+        self.widget.addLegend(offset=(8, 4), labelTextSize="8pt", brush=pg.mkBrush(theme.BASE + "c0"))
+        plot = self.widget.getPlotItem()
+        self._zero = pg.PlotDataItem(pen=None)
+        self._own = pg.PlotDataItem(pen=pg.mkPen(theme.ACCENT, width=1.5), name="Slipstream")
+        self._games = pg.PlotDataItem(pen=pg.mkPen(theme.GAME, width=1.5), name="games")
+        self._others = pg.PlotDataItem(pen=pg.mkPen(theme.OTHER, width=1.5), name="others")
+        self._budget = pg.PlotDataItem(pen=pg.mkPen(theme.BUDGET, width=2, style=pg.QtCore.Qt.PenStyle.DashLine),
+                                       name="budget", connect="finite", stepMode=None)
+        self._total = pg.PlotDataItem(pen=pg.mkPen(theme.MUTED, width=1, style=pg.QtCore.Qt.PenStyle.DotLine),
+                                      name="GPU total", connect="finite")
+        for item in (self._zero, self._own, self._games, self._others, self._budget, self._total):
+            plot.addItem(item)
+        for lower, upper, color in ((self._zero, self._own, theme.ACCENT), (self._own, self._games, theme.GAME),
+                                    (self._games, self._others, theme.OTHER)):
+            fill = pg.FillBetweenItem(lower, upper, brush=pg.mkBrush(color + "70"))
+            fill.setZValue(-10)
+            plot.addItem(fill)
+        self.note = pg.TextItem("", color=theme.MUTED, anchor=(0, 0))
+        self.note.setParentItem(plot.vb)
+        self.note.setPos(6, 4)
+        self._unit = ""
+
+    def add(self, t: float, own: float | None, games: float | None, others: float | None,
+            budget: float | None, total: float | None) -> None:
+        self.buffer.append(t, own, games, others, budget, total)
+
+    def set_note(self, text: str) -> None:
+        self.note.setText(text)
+
+    def redraw(self, now: float) -> None:
+        rows = self.buffer.view()
+        if not len(rows):
+            return
+        rows = rows[rows[:, _T] >= now - self.window_s - 1]
+        x = rows[:, _T] - now
+        own = np.nan_to_num(rows[:, _OWN])
+        games = own + np.nan_to_num(rows[:, _GAMES])
+        others = games + np.nan_to_num(rows[:, _OTHERS])
+        budget, total = rows[:, _BUDGET], rows[:, _TOTAL]
+        peak = np.nanmax(np.concatenate([others, np.nan_to_num(budget), np.nan_to_num(total), [1.0]]))
+        div, unit = byte_unit(peak)
+        if unit != self._unit:
+            self._unit = unit
+            self.widget.setLabel("left", unit)
+        self._zero.setData(x, np.zeros_like(x))
+        self._own.setData(x, own / div)
+        self._games.setData(x, games / div)
+        self._others.setData(x, others / div)
+        self._budget.setData(x, budget / div)
+        self._total.setData(x, total / div)
+        self.widget.setXRange(-self.window_s, 0, padding=0)
+        self.widget.setYRange(0, peak / div * 1.1, padding=0)
