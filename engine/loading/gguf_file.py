@@ -89,7 +89,7 @@ class GgufFile:
         except Exception as exc:
             raise ModelLoadError(f"{self.path}: metadata '{key}' cannot be read ({exc})") from exc
         if isinstance(value, float):
-            value = float(f"{np.float32(value)}")  # 1e-05 stored as float32 reads back as 1e-05
+            value = float(str(np.float32(value)))  # 1e-05 stored as float32 reads back as 1e-05
         if kind is float and isinstance(value, int):
             value = float(value)
         if kind is not None and not isinstance(value, kind):
