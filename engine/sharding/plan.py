@@ -68,6 +68,9 @@ class Plan:
 class PlanSet:
     budget: int
     plans: list[Plan]                 # sorted by tier
+    # Inputs longer than this run fastest as steps of this many tokens (the tier with the lowest predicted
+    # time per token); 0 = no advice (run in steps of the largest tier).
+    step_tokens: int = 0
 
     def for_tokens(self, n_new: int) -> Plan:
         """The plan of the smallest tier that holds `n_new` new tokens (the largest tier past the end)."""
@@ -77,4 +80,5 @@ class PlanSet:
         return self.plans[-1]
 
     def report(self) -> dict:
-        return {"budget": self.budget, "tiers": [p.report() for p in self.plans]}
+        return {"budget": self.budget, "step_tokens": self.step_tokens or self.plans[-1].tier,
+                "tiers": [p.report() for p in self.plans]}

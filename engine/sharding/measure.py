@@ -1,0 +1,235 @@
+"""The install-stage benchmarks: measure this machine the way the engine runs, into a profile dict.
+
+CPU: `F.linear` throughput by dtype, shape class (attention projection, FFN, output head) and token
+count, at the engine's thread count (`torch.get_num_threads()`); bf16 GEMV rate by thread count; attention
+(scaled-dot-product over a KV cache) rates; per-op overhead. GPU (CUDA only): the same tables timed with
+CUDA events; pinned host-to-device and device-to-host bandwidth on a side copy stream; the cost of moving
+a small activation between CPU and GPU; and the two rates that matter for overlap: copy bandwidth while
+the CPU computes and CPU throughput while copies run. Nothing spins: waits poll a CUDA event with a short
+sleep, as the executor does. Decode-shaped GEMVs cycle through more weight bytes than any cache holds.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+Progress = Callable[[float, str], None]
+DTYPES = ("bfloat16", "float16", "float32")
+_TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_POLL_S = 0.0002
+
+
+@dataclass(frozen=True)
+class Sizes:
+    hidden: int
+    ffn: int
+    vocab: int
+    heads: int
+    head_dim: int
+    ctx: int                     # context tokens for the attention measurements
+    tokens: tuple[int, ...]      # token counts of the GEMM tables
+    min_time_s: float            # time spent per measured point (at least 2 runs)
+    rotate_bytes: int            # weight bytes cycled through per GEMM point (defeats the caches)
+    copy_bytes: int = 0          # pinned buffer of the PCIe measurements
+    dtypes: tuple[str, ...] = DTYPES
+
+    def classes(self) -> dict[str, tuple[int, int]]:
+        """Shape class -> (out_features, in_features) of its representative matrix."""
+        return {"attn": (self.hidden, self.hidden), "ffn": (self.ffn, self.hidden),
+                "head": (self.vocab, self.hidden)}
+
+
+MiB = 1 << 20
+CPU_QUICK = Sizes(1024, 2816, 16384, 8, 128, 1024, (1, 16, 256), 0.12, 64 * MiB)
+CPU_FULL = Sizes(4096, 14336, 32768, 32, 128, 4096, (1, 4, 16, 64, 256, 1024), 0.4, 512 * MiB)
+GPU_QUICK = Sizes(4096, 14336, 32768, 32, 128, 4096, (1, 4, 16, 64, 256, 1024, 4096), 0.03, 256 * MiB,
+                  256 * MiB)
+GPU_FULL = Sizes(4096, 14336, 128256, 32, 128, 8192, (1, 4, 16, 64, 256, 1024, 4096, 8192), 0.1, 1024 * MiB,
+                 1024 * MiB)
+
+
+# ---- timing -------------------------------------------------------------------------------------
+def _wait(ev) -> None:
+    while not ev.query():
+        time.sleep(_POLL_S)
+
+
+def time_host(fn: Callable[[int], object], min_time: float, min_reps: int = 3) -> float:
+    """Median seconds of fn(i) on the host after one warm-up call; fewer runs when one is slow."""
+    t = time.perf_counter()
+    fn(0)
+    if time.perf_counter() - t > min_time:
+        min_reps = 2
+    times: list[float] = []
+    end = time.perf_counter() + min_time
+    i = 1
+    while len(times) < min_reps or (time.perf_counter() < end and len(times) < 10000):
+        t = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t)
+        i += 1
+    return statistics.median(times)
+
+
+def time_cuda(fn: Callable[[int], object], min_time: float, min_reps: int = 3) -> float:
+    """Median seconds of fn(i) on the current CUDA stream, timed with events, waited on without spinning."""
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn(0)
+    done = torch.cuda.Event()
+    done.record()
+    _wait(done)
+    times: list[float] = []
+    end = time.perf_counter() + min_time
+    i = 1
+    while len(times) < min_reps or (time.perf_counter() < end and len(times) < 10000):
+        start.record()
+        fn(i)
+        stop.record()
+        _wait(stop)
+        times.append(start.elapsed_time(stop) / 1e3)
+        i += 1
+    return statistics.median(times)
+
+
+def _weights(shape: tuple[int, int], dtype: torch.dtype, rotate_bytes: int, device) -> list[torch.Tensor]:
+    one = torch.empty(shape, dtype=dtype, device=device).uniform_(-0.05, 0.05)
+    count = max(1, rotate_bytes // (one.numel() * one.element_size()))
+    return [one] + [one.clone() for _ in range(count - 1)]
+
+
+# ---- the measurements ---------------------------------------------------------------------------
+class _Steps:
+    def __init__(self, total: int, progress: Progress | None, offset: float = 0.0, share: float = 1.0):
+        self.total, self.done, self.progress, self.offset, self.share = max(total, 1), 0, progress, offset, share
+
+    def __call__(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress(self.offset + self.share * self.done / self.total, message)
+        self.done += 1
+
+
+def gemm_table(sizes: Sizes, device, step: _Steps) -> dict[str, dict[str, list[list[float]]]]:
+    """dtype -> class -> [[tokens, achieved GFLOP/s], ...]."""
+    cuda = torch.device(device).type == "cuda"
+    timer = time_cuda if cuda else time_host
+    out: dict[str, dict[str, list[list[float]]]] = {}
+    for dtype in sizes.dtypes:
+        out[dtype] = {}
+        for cls, shape in sizes.classes().items():
+            ws = _weights(shape, _TORCH[dtype], sizes.rotate_bytes, device)
+            rows = []
+            for n in sizes.tokens:
+                step(f"{'gpu' if cuda else 'cpu'} matmul {dtype} {cls} x{n} tokens")
+                sec = timer(_linear_fn(ws, n), sizes.min_time_s)
+                rows.append([n, round(2.0 * n * shape[0] * shape[1] / sec / 1e9, 4)])
+            out[dtype][cls] = rows
+    return out
+
+
+def _linear_fn(ws: list[torch.Tensor], n: int) -> Callable[[int], object]:
+    """F.linear of n random rows against the i-th weight of `ws` (cycling)."""
+    x = torch.randn(n, ws[0].shape[1], dtype=ws[0].dtype, device=ws[0].device)
+    return lambda i: F.linear(x, ws[i % len(ws)])
+
+
+def _sdpa_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> Callable[[int], object]:
+    return lambda i: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def attention_rates(sizes: Sizes, device, step: _Steps) -> dict[str, dict[str, float]]:
+    """dtype -> {"gbps": KV bytes read per second at decode, "gflops": at a prefill chunk}."""
+    cuda = torch.device(device).type == "cuda"
+    timer = time_cuda if cuda else time_host
+    h, d, ctx = sizes.heads, sizes.head_dim, sizes.ctx
+    out = {}
+    for dtype in sizes.dtypes:
+        step(f"{'gpu' if cuda else 'cpu'} attention {dtype}")
+        dt = _TORCH[dtype]
+        k = torch.randn(1, h, ctx, d, dtype=dt, device=device)
+        v = torch.randn(1, h, ctx, d, dtype=dt, device=device)
+        q1 = torch.randn(1, h, 1, d, dtype=dt, device=device)
+        sec1 = timer(_sdpa_fn(q1, k, v, None), sizes.min_time_s)
+        n = min(256 if not cuda else 1024, ctx)
+        qn = torch.randn(1, h, n, d, dtype=dt, device=device)
+        pos = torch.arange(ctx - n, ctx, device=device)[:, None]
+        mask = (torch.arange(ctx, device=device)[None, :] <= pos)[None, None]
+        secn = timer(_sdpa_fn(qn, k, v, mask), sizes.min_time_s)
+        out[dtype] = {"gbps": round(2 * h * ctx * d * k.element_size() / sec1 / 1e9, 4),
+                      "gflops": round(4.0 * h * d * n * ctx / secn / 1e9, 4)}
+    return out
+
+
+def op_overhead_us(device) -> float:
+    """Host-side cost of one small op (launch overhead on a GPU, dispatch on the CPU), microseconds."""
+    cuda = torch.device(device).type == "cuda"
+    x = torch.randn(1, 64, device=device)
+    w = torch.randn(64, 64, device=device)
+
+    def burst(_i: int) -> None:
+        for _ in range(100):
+            F.linear(x, w)
+        if cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            _wait(ev)
+
+    return round(time_host(burst, 0.05) / 100 * 1e6, 3)
+
+
+def memory_gbps(device, nbytes: int) -> float:
+    """Read+write bandwidth of a large copy within the device (or host memory)."""
+    cuda = torch.device(device).type == "cuda"
+    a = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    b = torch.empty_like(a)
+    sec = (time_cuda if cuda else time_host)(lambda i: b.copy_(a), 0.1)
+    return round(2 * nbytes / sec / 1e9, 3)
+
+
+def gemv_pass(sizes: Sizes) -> tuple[Callable[[int], object], int]:
+    """A bf16 decode GEMV over one FFN-shaped matrix of a set larger than the caches; (fn, bytes/call)."""
+    dt = torch.bfloat16 if "bfloat16" in sizes.dtypes else _TORCH[sizes.dtypes[0]]
+    ws = _weights((sizes.ffn, sizes.hidden), dt, sizes.rotate_bytes, "cpu")
+    x = torch.randn(1, sizes.hidden, dtype=dt)
+    return (lambda i: F.linear(x, ws[i % len(ws)])), ws[0].numel() * ws[0].element_size()
+
+
+def thread_sweep(sizes: Sizes, step: _Steps) -> dict[str, float]:
+    """bf16 GEMV GB/s by CPU thread count (1, 2, 4, ... and the engine's count)."""
+    engine_threads = torch.get_num_threads()
+    counts = sorted({1 << i for i in range(int(math.log2(engine_threads)) + 1)} | {engine_threads})
+    fn, nbytes = gemv_pass(sizes)
+    out = {}
+    try:
+        for t in counts:
+            step(f"cpu GEMV with {t} threads")
+            torch.set_num_threads(t)
+            out[str(t)] = round(nbytes / time_host(fn, sizes.min_time_s) / 1e9, 4)
+    finally:
+        torch.set_num_threads(engine_threads)
+    return out
+
+
+def device_section(sizes: Sizes, device, step: _Steps) -> dict:
+    cuda = torch.device(device).type == "cuda"
+    sec = {"gemm": gemm_table(sizes, device, step), "attention": attention_rates(sizes, device, step)}
+    step(f"{'gpu' if cuda else 'cpu'} op overhead and memory bandwidth")
+    sec["op_overhead_us"] = op_overhead_us(device)
+    sec["mem_gbps"] = memory_gbps(device, min(sizes.rotate_bytes, 256 * MiB))
+    sec["shapes"] = {k: v for k, v in asdict(sizes).items() if k not in ("dtypes",)}
+    return sec
+
+
+def cpu_section(sizes: Sizes, progress: Progress | None, offset: float = 0.0, share: float = 1.0) -> dict:
+    n_steps = len(sizes.dtypes) * (3 * len(sizes.tokens) + 1) + 1 + 6
+    step = _Steps(n_steps, progress, offset, share)
+    sec = device_section(sizes, "cpu", step)
+    sec["threads"] = torch.get_num_threads()
+    sec["threads_gbps"] = thread_sweep(sizes, step)
+    return sec

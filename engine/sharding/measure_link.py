@@ -1,0 +1,91 @@
+"""PCIe measurements for the profile: pinned copies alone, copies and CPU compute at the same time, and
+the cost of moving a small activation between CPU and GPU, all as the executor does them.
+
+Copies run on a side stream from pinned host memory; the host never spins while waiting (it polls a CUDA
+event with a short sleep), because a spinning waiter steals a core from every OpenMP region of the CPU's
+matmuls (measured: 4x slower CPU GEMV beside a spinning `synchronize()`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from engine.sharding.measure import Sizes, _Steps, _wait, gemv_pass, time_host
+
+
+def _copy_gbps(dst: torch.Tensor, src: torch.Tensor, stream, reps: int) -> float:
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        for _ in range(reps):
+            dst.copy_(src, non_blocking=True)
+        stop.record(stream)
+    _wait(stop)
+    return reps * src.numel() * src.element_size() / (start.elapsed_time(stop) / 1e3) / 1e9
+
+
+def _move_latency_us(device, hidden: int) -> float:
+    """One activation move each way (16 tokens of bf16 hidden state), as the executor moves them:
+    host -> device, then device -> host after polling the compute stream's event."""
+    x = torch.randn(16, hidden, dtype=torch.bfloat16)
+
+    def roundtrip(_i: int) -> None:
+        xd = x.to(device)
+        ev = torch.cuda.Event()
+        ev.record()
+        _wait(ev)
+        xd.to("cpu")
+
+    return time_host(roundtrip, 0.1, min_reps=10) / 2 * 1e6
+
+
+def link_section(sizes: Sizes, device, step: _Steps) -> dict:
+    """h2d/d2h GB/s alone, h2d GB/s while the CPU runs GEMVs, the CPU's GEMV rate while copies run."""
+    nbytes = sizes.copy_bytes
+    step("pinned host-to-device bandwidth")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    _copy_gbps(dev, host, stream, 1)
+    h2d = statistics.median(_copy_gbps(dev, host, stream, 2) for _ in range(3))
+    step("pinned device-to-host bandwidth")
+    d2h = statistics.median(_copy_gbps(host, dev, stream, 2) for _ in range(3))
+    step("activation move latency")
+    latency = _move_latency_us(device, sizes.hidden)
+
+    step("cpu GEMV and copies at the same time")
+    gemv, gemv_bytes = gemv_pass(sizes)
+    cpu_alone = gemv_bytes / time_host(gemv, sizes.min_time_s) / 1e9
+    # Enough copies to cover about ten CPU passes (and at least 0.2 s).
+    target_s = max(0.2, 10 * gemv_bytes / (cpu_alone * 1e9))
+    reps = max(2, math.ceil(target_s * h2d * 1e9 / nbytes))
+    cpu_rates, copy_rates = [], []
+    for _ in range(3):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            start.record(stream)
+            for _ in range(reps):
+                dev.copy_(host, non_blocking=True)
+            stop.record(stream)
+        t0, done, i = time.perf_counter(), 0, 0
+        while not stop.query():      # CPU work until the copies end; query() never blocks
+            gemv(i)
+            done += gemv_bytes
+            i += 1
+        t_cpu = time.perf_counter() - t0
+        _wait(stop)
+        if done:
+            cpu_rates.append(done / t_cpu / 1e9)
+        copy_rates.append(reps * nbytes / (start.elapsed_time(stop) / 1e3) / 1e9)
+    cpu_with = statistics.median(cpu_rates) if cpu_rates else cpu_alone
+    del host, dev
+    return {"h2d_gbps": round(h2d, 3), "d2h_gbps": round(d2h, 3),
+            "h2d_with_cpu_gbps": round(statistics.median(copy_rates), 3),
+            "cpu_gemv_gbps": round(cpu_alone, 3), "cpu_gemv_with_copy_gbps": round(cpu_with, 3),
+            "cpu_with_copy_factor": round(min(1.0, max(0.05, cpu_with / cpu_alone)), 4),
+            "latency_us": round(latency, 2)}

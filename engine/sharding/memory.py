@@ -1,0 +1,101 @@
+"""Budget math: how many bytes of VRAM a placement needs, computed exactly as the executor books them.
+
+A plan's VRAM is resident weights + streaming slots + the KV cache of the layers whose attention runs on
+the GPU + scratch (activations and workspace for a step of the tier's size, with a margin). Weight bytes
+are the executor's packed sizes (each tensor rounded up to `TENSOR_ALIGN`), KV is booked in blocks of
+`KV_BLOCK` tokens, and slots are min(n_slots, number streamed) x the largest streamed sub-layer. A plan
+with nothing on the GPU needs 0 bytes: budget 0 is always valid.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+from engine.config import ModelConfig, weight_names
+from engine.sharding.plan import Placement, VramBreakdown
+from engine.sharding.spec import ModelSpec
+
+TENSOR_ALIGN = 256          # must equal engine.sharding.weights._ALIGN (packed host/VRAM buffers)
+KV_BLOCK = 16               # must equal engine.sharding.kvcache.BLOCK_SIZE
+HEAD_ROWS_MAX = 256         # logits are computed for at most this many rows at a time
+SCRATCH_MARGIN = 1.5        # activations x margin (allocator rounding, fragmentation, temporaries)
+WORKSPACE_MAX = 32 << 20    # BLAS / attention workspace of a real model (scaled down for tiny ones)
+
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every canonical weight (the names of `engine.config.weight_names`)."""
+    h, q, kv, f, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
+    local = {"attn_norm.weight": (h,), "q.weight": (q, h), "k.weight": (kv, h), "v.weight": (kv, h),
+             "o.weight": (h, q), "q.bias": (q,), "k.bias": (kv,), "v.bias": (kv,),
+             "q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,), "ffn_norm.weight": (h,),
+             "gate.weight": (f, h), "up.weight": (f, h), "down.weight": (h, f),
+             "embed.weight": (v, h), "norm.weight": (h,), "head.weight": (v, h)}
+    out = {}
+    for names in weight_names(cfg).values():
+        for n in names:
+            out[n] = local[n.split(".", 2)[-1] if n.startswith("layers.") else n]
+    return out
+
+
+@lru_cache(maxsize=64)
+def sublayer_bytes(spec: ModelSpec) -> dict[str, int]:
+    """Bytes of each sub-layer's packed weight buffer (what a resident copy or a slot must hold)."""
+    shapes = tensor_shapes(spec.config)
+    out = {}
+    for sub in spec.sublayers:
+        total = 0
+        for n in sub.weight_names:
+            nbytes = math.prod(shapes[n]) * spec.dtype_bytes
+            total += -(-nbytes // TENSOR_ALIGN) * TENSOR_ALIGN
+        out[sub.name] = total
+    return out
+
+
+def kv_cache_bytes(spec: ModelSpec, kv_tokens: int, n_layers: int | None = None) -> int:
+    """KV cache bytes for `kv_tokens` tokens (rounded up to whole blocks) of `n_layers` layers (all)."""
+    n = spec.config.num_layers if n_layers is None else n_layers
+    per_token = next((s.kv_bytes_per_token for s in spec.sublayers if s.kind == "attn"), 0)
+    return n * -(-max(kv_tokens, 0) // KV_BLOCK) * KV_BLOCK * per_token
+
+
+def scratch_bytes(spec: ModelSpec, tier: int) -> int:
+    """Activations and workspace on the GPU for a step of `tier` new tokens, margin included.
+
+    Peak of one sub-layer's temporaries: the residual stream and its float32 norm, plus the largest of
+    attention (q, k, v, rotary copies, output), the FFN (gate, up, product) and the head (float32 logits of
+    at most HEAD_ROWS_MAX rows). Attention itself is assumed to run in a fused kernel (no [n, ctx] scores).
+    """
+    cfg, db = spec.config, spec.dtype_bytes
+    t, h = max(int(tier), 1), cfg.hidden_size
+    rows = min(t, HEAD_ROWS_MAX)
+    resid = t * h * db + 2 * t * h * 4
+    attn = t * db * (4 * cfg.q_size + 2 * cfg.kv_size)
+    ffn = 3 * t * cfg.intermediate_size * db
+    head = rows * (2 * h * 4 + cfg.vocab_size * (db + 4))
+    workspace = min(WORKSPACE_MAX, spec.total_weight_bytes // 64)
+    return math.ceil((resid + max(attn, ffn, head)) * SCRATCH_MARGIN) + workspace
+
+
+def slot_bytes(spec: ModelSpec, placement: dict[str, Placement], n_slots: int) -> int:
+    """VRAM of the streaming slots: min(n_slots, number streamed) x the largest streamed sub-layer."""
+    sizes = sublayer_bytes(spec)
+    streamed = [sizes[n] for n, p in placement.items() if p is Placement.STREAMED]
+    return min(n_slots, len(streamed)) * max(streamed, default=0)
+
+
+def gpu_attention_layers(spec: ModelSpec, placement: dict[str, Placement]) -> int:
+    """How many layers run attention on the GPU (their KV cache lives there)."""
+    return sum(1 for s in spec.sublayers if s.kind == "attn" and placement[s.name] is not Placement.CPU)
+
+
+def vram_breakdown(spec: ModelSpec, placement: dict[str, Placement], tier: int, kv_tokens: int,
+                   n_slots: int) -> VramBreakdown:
+    """The VRAM a placement needs for steps of `tier` tokens with a KV capacity of `kv_tokens`."""
+    sizes = sublayer_bytes(spec)
+    on_gpu = any(p is not Placement.CPU for p in placement.values())
+    return VramBreakdown(
+        weights=sum(sizes[n] for n, p in placement.items() if p is Placement.RESIDENT),
+        kv=kv_cache_bytes(spec, kv_tokens, gpu_attention_layers(spec, placement)),
+        slots=slot_bytes(spec, placement, n_slots),
+        scratch=scratch_bytes(spec, tier) if on_gpu else 0)

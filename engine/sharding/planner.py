@@ -1,0 +1,248 @@
+"""The planner: for a VRAM budget, one plan per token tier, chosen by the estimator from a fixed family.
+
+The family (`Family`) is every placement described by four numbers, independent of the budget:
+- k, how many layers run attention on the GPU (the first k; their KV cache lives there). One k serves all
+  tiers of a PlanSet: the KV cache lives where attention runs, so attention never changes sides between
+  tiers;
+- r, how long a prefix of the priority order is resident. The order is: GPU attention (layer order), the
+  output head, the FFNs front to back (so whole layers become resident), the embedding last. Every tier's
+  resident set is a prefix of the same order, so switching tiers only adds or drops a tail;
+- m, how many of the non-resident FFNs stream into slots (spread evenly, so each copy overlaps the CPU
+  work between two streamed FFNs); the other FFNs run on the CPU;
+- the head, when not resident: on the CPU or streamed.
+GPU attention that is not resident streams. The embedding (a gather of a few rows) stays in host memory,
+except in forced gpu_only plans. The three kinds: `gpu_only` (nothing computed on the CPU: non-resident
+sub-layers stream), `static` (nothing streamed: resident by priority, the rest on the CPU) and `dynamic`
+(both CPU-computed and streamed sub-layers). A forced kind picks among that kind's members only.
+
+Each member's VRAM (`engine.sharding.memory`) and predicted time per tier (`engine.sharding.estimator`)
+are computed once per KV capacity; a plan is then a lookup of the fastest member that fits. Because the
+family does not depend on the budget, more budget never predicts a slower plan for a tier (and never a
+slower PlanSet score), and budget 0 always has the all-CPU plan (0 bytes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import BadInputError, BudgetError
+from engine.sharding.estimator import CPU, RES, STR, Estimator
+from engine.sharding.memory import kv_cache_bytes, scratch_bytes, sublayer_bytes, vram_breakdown
+from engine.sharding.plan import DEFAULT_TIERS, PLAN_KINDS, Placement, Plan, PlanSet
+from engine.sharding.profile import ProfileDatabase
+from engine.sharding.spec import ModelSpec
+from engine.units import format_bytes, parse_bytes
+
+_PLACEMENT = {CPU: Placement.CPU, RES: Placement.RESIDENT, STR: Placement.STREAMED}
+_M_STEPS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
+
+
+def planning_context(tier: int, kv_tokens: int) -> int:
+    """Context length a tier's plan is priced at: half the KV capacity (a conversation midway), at
+    least the tier itself, at most the capacity."""
+    return max(tier, min(kv_tokens, max(kv_tokens // 2, 1)))
+
+
+def attention_choices(n_layers: int) -> list[int]:
+    """Values of k tried: all of 0..L for small models, else 0, L and eighths in between."""
+    if n_layers <= 12:
+        return list(range(n_layers + 1))
+    return sorted({0, n_layers} | {round(j * n_layers / 8) for j in range(1, 8)})
+
+
+class Family:
+    """All member placements ([B, S] codes), their k, kind masks and VRAM parts (tier-independent)."""
+
+    def __init__(self, spec: ModelSpec, n_slots: int):
+        subs = spec.sublayers
+        idx = {s.name: i for i, s in enumerate(subs)}
+        L = spec.config.num_layers
+        attn = [idx[f"layers.{j}.attn"] for j in range(L)]
+        ffn = [idx[f"layers.{j}.ffn"] for j in range(L)]
+        head, embed = idx["head"], idx["embed"]
+        blocks, ks = [], []
+        for k in attention_choices(L):
+            order = attn[:k] + [head] + ffn
+            for r in range(len(order) + 1):
+                base = np.full(len(subs), CPU, dtype=np.int8)
+                base[attn[:k]] = STR
+                base[order[:r]] = RES
+                rows = self._ffn_patterns(base, [f for f in ffn if base[f] != RES])
+                if base[head] != RES:
+                    alt = rows.copy()
+                    alt[:, head] = STR
+                    rows = np.concatenate([rows, alt])
+                blocks.append(rows)
+                ks.append(np.full(len(rows), k))
+        place, k_of = np.concatenate(blocks), np.concatenate(ks)
+        compute = np.array([s.kind != "embed" for s in subs])
+        # Forced gpu_only plans also keep the embedding on the GPU: copies of the members that compute
+        # nothing on the CPU, with the embedding resident. Other plans gather embeddings on the CPU.
+        all_gpu = ((place == CPU) & compute).sum(1) == 0
+        extra = place[all_gpu].copy()
+        extra[:, embed] = RES
+        self.place = np.concatenate([place, extra])
+        self.k = np.concatenate([k_of, k_of[all_gpu]])
+        embed_res = np.arange(len(self.place)) >= len(place)
+        n_cpu = ((self.place == CPU) & compute).sum(1)
+        n_str = (self.place == STR).sum(1)
+        self.masks = {"auto": ~embed_res, "gpu_only": embed_res, "static": ~embed_res & (n_str == 0),
+                      "dynamic": ~embed_res & (n_str > 0) & (n_cpu > 0)}
+        self.label = np.where(n_cpu == 0, "gpu_only", np.where(n_str == 0, "static", "dynamic"))
+        sizes = sublayer_bytes(spec)
+        nb = np.array([sizes[s.name] for s in subs], dtype=np.int64)
+        self.weights = ((self.place == RES) * nb).sum(1)
+        self.slots = np.minimum(n_slots, n_str) * np.where(self.place == STR, nb, 0).max(1)
+        self.any_gpu = (self.place != CPU).any(1)
+
+    @staticmethod
+    def _ffn_patterns(base: np.ndarray, free: list[int]) -> np.ndarray:
+        """One row per m: m of the `free` FFNs streamed, spread evenly (Bresenham), the rest on the CPU."""
+        n = len(free)
+        ms = sorted({min(m, n) for m in _M_STEPS} | {n})
+        rows = np.repeat(base[None, :], len(ms), axis=0)
+        if n:
+            j = np.arange(n)[None, :]
+            m = np.array(ms)[:, None]
+            pick = (j + 1) * m // n > j * m // n
+            sub = rows[:, free]
+            sub[pick] = STR
+            rows[:, free] = sub
+        return rows
+
+
+class _Front:
+    """Fastest member at or under each VRAM size, for one (kind, k, tier)."""
+
+    def __init__(self, members: np.ndarray, vram: np.ndarray, ms: np.ndarray):
+        order = np.lexsort((ms, vram))
+        self.members, self.vram, ms = members[order], vram[order], ms[order]
+        best = np.minimum.accumulate(ms)
+        prev = np.concatenate([[np.inf], best[:-1]])
+        self.best_pos = np.maximum.accumulate(np.where(ms < prev, np.arange(len(ms)), 0))
+        self.best_ms = best
+
+    def lookup(self, budget: int) -> tuple[int, float] | None:
+        pos = int(np.searchsorted(self.vram, budget, side="right")) - 1
+        if pos < 0:
+            return None
+        return int(self.members[self.best_pos[pos]]), float(self.best_ms[pos])
+
+
+def best_step_tokens(plans: list[Plan]) -> int:
+    """The tier with the lowest predicted time per token (the smallest among equals)."""
+    return min(plans, key=lambda p: (p.predicted_ms / p.tier, p.tier)).tier
+
+
+class Planner:
+    """Plans for one model on one profile: `plan(budget)` -> PlanSet; `estimate(plan, n, ctx)` -> ms."""
+
+    def __init__(self, spec: ModelSpec, prof: ProfileDatabase, tiers: tuple[int, ...] = DEFAULT_TIERS,
+                 n_slots: int = 2, head_rows: int | None = 1):
+        if not tiers or any(int(t) < 1 for t in tiers):
+            raise BadInputError(f"tiers={tiers!r}: expected positive token counts")
+        self.spec, self.prof = spec, prof
+        self.tiers = tuple(sorted({int(t) for t in tiers}))
+        self.n_slots = max(1, int(n_slots))
+        self.estimator = Estimator(spec, prof, head_rows)
+        self.family = Family(spec, self.n_slots) if prof.has_gpu else None
+        self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._fronts: dict[tuple[int, str, int, int], _Front] = {}
+
+    # ---- the estimator -------------------------------------------------------------------------
+    def estimate(self, plan: Plan, n_tokens: int, ctx_len: int) -> float:
+        """Predicted milliseconds of one steady-state step of `n_tokens` over `ctx_len` under `plan`."""
+        return self.estimator.estimate(plan.placement, n_tokens, ctx_len, plan.n_slots)
+
+    # ---- member tables -------------------------------------------------------------------------
+    def _table(self, kv_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+        """(vram [B, T], ms [B, T]) of every family member at every tier, for this KV capacity."""
+        if kv_tokens not in self._tables:
+            fam = self.family
+            kv_layer = kv_cache_bytes(self.spec, kv_tokens, 1)
+            scratch = np.array([scratch_bytes(self.spec, t) for t in self.tiers], dtype=np.int64)
+            vram = (fam.weights + fam.slots + fam.k * kv_layer)[:, None] + fam.any_gpu[:, None] * scratch[None, :]
+            ms = np.stack([self.estimator.simulate(fam.place, t, planning_context(t, kv_tokens), self.n_slots)
+                           for t in self.tiers], 1)
+            self._tables[kv_tokens] = (vram, ms)
+        return self._tables[kv_tokens]
+
+    def _front(self, kv_tokens: int, kind: str, k: int, ti: int) -> _Front | None:
+        key = (kv_tokens, kind, k, ti)
+        if key not in self._fronts:
+            vram, ms = self._table(kv_tokens)
+            members = np.nonzero(self.family.masks[kind] & (self.family.k == k))[0]
+            self._fronts[key] = _Front(members, vram[members, ti], ms[members, ti]) if len(members) else None
+        return self._fronts[key]
+
+    # ---- planning ------------------------------------------------------------------------------
+    def plan(self, budget_bytes: int | str, kv_tokens: int = 4096, force_kind: str | None = None,
+             strict: bool = False) -> PlanSet:
+        """One plan per tier within `budget_bytes`. `force_kind` picks the best plan of that kind per tier;
+        where none fits, that tier falls back to the best plan of any kind (its `kind` says which), or
+        with `strict` a BudgetError names the smallest budget the kind needs."""
+        budget = parse_bytes(budget_bytes, "budget")
+        kind = force_kind or "auto"
+        if kind != "auto" and kind not in PLAN_KINDS:
+            raise BadInputError(f"plan kind {force_kind!r}: expected one of {', '.join(PLAN_KINDS)}")
+        kv_tokens = max(int(kv_tokens), 0)
+        if self.family is None:
+            return self._all_cpu(budget, kv_tokens, kind, strict)
+        best = None
+        for k in np.unique(self.family.k):
+            picks, n_strict, score, per_token = [], 0, 0.0, np.inf
+            for ti, tier in enumerate(self.tiers):
+                hit = None
+                if kind != "auto" and (front := self._front(kv_tokens, kind, int(k), ti)) is not None:
+                    hit = front.lookup(budget)
+                    n_strict += hit is not None
+                if hit is None:
+                    hit = self._front(kv_tokens, "auto", int(k), ti).lookup(budget)
+                if hit is None:
+                    break
+                picks.append(hit)
+                per_token = min(per_token, hit[1] / tier)   # longer inputs can run as smaller steps
+                score += per_token
+            else:
+                cand = (-n_strict, score)
+                if best is None or cand < best[0]:
+                    best = (cand, picks)
+        if strict and kind != "auto" and -best[0][0] < len(self.tiers):
+            raise BudgetError(f"no {kind} plan fits a VRAM budget of {format_bytes(budget)} for every tier "
+                              f"(the {kind} plans need at least {format_bytes(self.min_budget(kind, kv_tokens))})")
+        plans = [self._make_plan(m, ms, tier, kind, kv_tokens, budget) for (m, ms), tier in zip(best[1], self.tiers)]
+        return PlanSet(budget, plans, step_tokens=best_step_tokens(plans))
+
+    def min_budget(self, kind: str, kv_tokens: int = 4096) -> int:
+        """The smallest budget with a plan of `kind` for every tier (0 for "auto": all on the CPU)."""
+        if kind == "auto" or self.family is None:
+            return 0
+        vram, _ = self._table(kv_tokens)
+        need = None
+        for k in np.unique(self.family.k):
+            sel = self.family.masks[kind] & (self.family.k == k)
+            if sel.any():
+                v = int(vram[sel].min(0).max())
+                need = v if need is None else min(need, v)
+        return need if need is not None else -1
+
+    def _make_plan(self, member: int, ms: float, tier: int, kind: str, kv_tokens: int, budget: int) -> Plan:
+        row = self.family.place[member]
+        placement = {s.name: _PLACEMENT[int(c)] for s, c in zip(self.spec.sublayers, row)}
+        label = str(self.family.label[member])
+        if kind != "auto" and self.family.masks[kind][member]:
+            label = kind
+        vram = vram_breakdown(self.spec, placement, tier, kv_tokens, self.n_slots)
+        assert vram.total <= budget, (vram.total, budget)
+        return Plan(tier, label, placement, self.n_slots, ms, vram, kv_tokens)
+
+    def _all_cpu(self, budget: int, kv_tokens: int, kind: str, strict: bool) -> PlanSet:
+        if strict and kind not in ("auto", "static"):
+            raise BudgetError(f"no {kind} plan without a GPU: the profile of {self.prof.device!r} has none")
+        placement = {s.name: Placement.CPU for s in self.spec.sublayers}
+        plans = []
+        for t in self.tiers:
+            ms = self.estimator.estimate(placement, t, planning_context(t, kv_tokens), self.n_slots)
+            plans.append(Plan(t, "static", dict(placement), self.n_slots, ms,
+                              vram_breakdown(self.spec, placement, t, kv_tokens, self.n_slots), kv_tokens))
+        return PlanSet(budget, plans, step_tokens=best_step_tokens(plans))

@@ -1,0 +1,266 @@
+"""The profile database: what this machine's CPU, GPU and PCIe link achieve, as the estimator asks for it.
+
+`ProfileDatabase.for_device(device)` returns the profile of "cuda[:N]" or "cpu" from the database file
+(see `profile_store`), measuring it first when there is none for this hardware fingerprint (or when asked
+to re-measure); "sim" returns `ProfileDatabase.sim()`, a synthetic, deterministic profile: a notional client
+GPU (20 TFLOP/s bf16 and fp16, 10 TFLOP/s fp32, 400 GB/s memory, 25 GB/s PCIe, 20 us per activation move)
+beside a default CPU (30 GB/s weight streaming, 0.4 TFLOP/s bf16, 0.2 fp16, 0.6 fp32; CPU work runs at
+0.85x while copies run), so plans on "sim" are the same on every machine.
+
+Queries price work in milliseconds: `gemm_ms` (tables of achieved GFLOP/s by dtype, shape class and token
+count, interpolated log-log between measured token counts and flat past the last; the tables are made
+monotone on load so that more tokens never take less time), `attention_ms` (roofline of KV bytes read
+and FLOPs), `op_ms` (per-kernel overhead), `copy_ms` (weights over PCIe, alone or beside CPU work) and
+`move_ms` (an activation crossing between CPU and GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from bisect import bisect_right
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+
+from engine.sharding import profile_store
+
+SIM_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+CLASSES = ("attn", "ffn", "head")
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_DTYPE_FALLBACK = {"bfloat16": ("bfloat16", "float16", "float32"),
+                   "float16": ("float16", "bfloat16", "float32"),
+                   "float32": ("float32", "bfloat16", "float16")}
+
+
+def _roofline_section(name: str, gbps: float, peak: dict[str, float], attn_gbps: float,
+                      attn_gflops: dict[str, float], overhead_us: float) -> dict:
+    """A synthetic device: GEMM rate(n) = min(peak FLOP/s, n x 2 x bandwidth / dtype bytes)."""
+    gemm = {dt: {c: [[n, round(min(p, n * 2 * gbps / _DTYPE_BYTES[dt]), 4)] for n in SIM_TOKENS]
+                 for c in CLASSES} for dt, p in peak.items()}
+    attn = {dt: {"gbps": attn_gbps, "gflops": attn_gflops[dt]} for dt in peak}
+    return {"name": name, "gemm": gemm, "attention": attn, "op_overhead_us": overhead_us, "mem_gbps": gbps}
+
+
+def sim_profile_dict() -> dict:
+    gpu = _roofline_section("sim: notional client GPU (20 TFLOP/s bf16, 400 GB/s, 25 GB/s PCIe)", 400.0,
+                            {"bfloat16": 20000.0, "float16": 20000.0, "float32": 10000.0}, 320.0,
+                            {"bfloat16": 10000.0, "float16": 10000.0, "float32": 5000.0}, 6.0)
+    cpu = _roofline_section("sim: default CPU (30 GB/s, 0.4 TFLOP/s bf16)", 30.0,
+                            {"bfloat16": 400.0, "float16": 200.0, "float32": 600.0}, 20.0,
+                            {"bfloat16": 100.0, "float16": 60.0, "float32": 150.0}, 4.0)
+    cpu.update(threads=8, threads_gbps={"1": 6.0, "2": 12.0, "4": 22.0, "8": 30.0})
+    link = {"h2d_gbps": 25.0, "d2h_gbps": 25.0, "h2d_with_cpu_gbps": 24.0, "cpu_gemv_gbps": 30.0,
+            "cpu_gemv_with_copy_gbps": 25.5, "cpu_with_copy_factor": 0.85, "latency_us": 20.0}
+    return {"schema": profile_store.SCHEMA, "device": "sim", "quick": False, "created": "synthetic",
+            "fingerprint": {"schema": profile_store.SCHEMA, "device": "sim"},
+            "cpu": cpu, "gpu": gpu, "link": link}
+
+
+def _monotone_table(rows: list) -> tuple[list[float], list[float]]:
+    """(log n, log rate) with time per step n / rate(n) made non-decreasing in n."""
+    pts = sorted((int(n), float(r)) for n, r in rows if int(n) >= 1 and float(r) > 0)
+    if not pts:
+        raise ValueError("empty GEMM table")
+    ns, rates = [pts[0][0]], [pts[0][1]]
+    for n, r in pts[1:]:
+        if n == ns[-1]:
+            continue
+        rates.append(min(r, rates[-1] * n / ns[-1]))
+        ns.append(n)
+    return [math.log(n) for n in ns], [math.log(r) for r in rates]
+
+
+class ProfileDatabase:
+    """One machine's measured (or synthetic) rates; see the module docstring."""
+
+    def __init__(self, data: dict):
+        self.data = data
+        self.device: str = data["device"]
+        self.cpu: dict = data["cpu"]
+        self.gpu: dict | None = data.get("gpu")
+        self.link: dict | None = data.get("link")
+        self._tables: dict[tuple[str, str, str], tuple[list[float], list[float]]] = {}
+        for where, sec in (("cpu", self.cpu), ("gpu", self.gpu)):
+            if sec is None:
+                continue
+            for dtype, classes in sec["gemm"].items():
+                for cls, rows in classes.items():
+                    self._tables[(where, dtype, cls)] = _monotone_table(rows)
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> ProfileDatabase:
+        return cls(data)
+
+    def to_dict(self) -> dict:
+        return self.data
+
+    @classmethod
+    def sim(cls) -> ProfileDatabase:
+        return cls(sim_profile_dict())
+
+    @classmethod
+    def for_device(cls, device: str = "sim", quick: bool = True, progress: Callable[[float, str], None] | None = None,
+                   path: Path | None = None, remeasure: bool = False) -> ProfileDatabase:
+        """The profile of `device` ("sim" | "cpu" | "cuda" | "cuda:N" | "auto"): cached, else measured."""
+        device = normalize_device(device)
+        if device == "sim":
+            return cls.sim()
+        fp = profile_store.fingerprint(device)
+        key = profile_store.fingerprint_key(fp)
+        path = Path(path) if path is not None else profile_store.db_path()
+        if not remeasure:
+            entry = profile_store.load_db(path)["profiles"].get(key)
+            if entry and entry.get("fingerprint") == fp and (quick or not entry.get("quick", True)):
+                try:
+                    return cls(entry)
+                except (KeyError, TypeError, ValueError) as exc:
+                    logging.getLogger(__name__).warning("profile entry %s unusable (%s); measuring", key, exc)
+        data = measure_profile(device, quick=quick, progress=progress)
+        data["fingerprint"] = fp
+        prof = cls(data)
+        try:
+            profile_store.save_profile(path, key, data)
+        except OSError as exc:
+            logging.getLogger(__name__).warning("could not write the profile database %s: %s", path, exc)
+        return prof
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def has_gpu(self) -> bool:
+        return self.gpu is not None and self.link is not None
+
+    def _section(self, where: str) -> dict:
+        sec = self.cpu if where == "cpu" else self.gpu
+        if sec is None:
+            raise ValueError(f"profile of {self.device!r} has no {where} section")
+        return sec
+
+    def gemm_gflops(self, where: str, dtype: str, cls: str, n_tokens: int) -> float:
+        """Achieved GFLOP/s of a `cls`-shaped matmul with `n_tokens` rows on `where` ("cpu" | "gpu")."""
+        for dt in _DTYPE_FALLBACK.get(dtype, (dtype, "float32")):
+            table = self._tables.get((where, dt, cls)) or self._tables.get((where, dt, "ffn"))
+            if table is not None:
+                break
+        else:
+            raise ValueError(f"profile of {self.device!r} has no {where} matmul table for {dtype}")
+        xs, ys = table
+        x = math.log(max(n_tokens, 1))
+        if x <= xs[0]:
+            return math.exp(ys[0])
+        if x >= xs[-1]:
+            return math.exp(ys[-1])
+        i = bisect_right(xs, x) - 1
+        f = (x - xs[i]) / (xs[i + 1] - xs[i])
+        return math.exp(ys[i] + f * (ys[i + 1] - ys[i]))
+
+    def gemm_ms(self, where: str, dtype: str, cls: str, flops_per_token: float, n_tokens: int) -> float:
+        if flops_per_token <= 0 or n_tokens <= 0:
+            return 0.0
+        return n_tokens * flops_per_token / (self.gemm_gflops(where, dtype, cls, n_tokens) * 1e6)
+
+    def attention_ms(self, where: str, dtype: str, kv_bytes: float, flops: float) -> float:
+        sec = self._section(where)["attention"]
+        rates = next((sec[d] for d in _DTYPE_FALLBACK.get(dtype, (dtype,)) if d in sec), None)
+        if rates is None:
+            rates = next(iter(sec.values()))
+        return max(kv_bytes / (rates["gbps"] * 1e6), flops / (rates["gflops"] * 1e6))
+
+    def op_ms(self, where: str, n_ops: int) -> float:
+        return n_ops * self._section(where)["op_overhead_us"] / 1e3
+
+    def mem_ms(self, where: str, nbytes: float) -> float:
+        return nbytes / (self._section(where)["mem_gbps"] * 1e6)
+
+    def copy_ms(self, nbytes: float, busy: bool = False) -> float:
+        """Weights host -> GPU on the copy engine (`busy`: while the CPU computes)."""
+        gbps = self.link["h2d_with_cpu_gbps"] if busy else self.link["h2d_gbps"]
+        return nbytes / (gbps * 1e6)
+
+    def move_ms(self, nbytes: float, to_gpu: bool = True) -> float:
+        """An activation crossing between CPU and GPU: fixed latency plus bytes over PCIe."""
+        gbps = self.link["h2d_gbps"] if to_gpu else self.link.get("d2h_gbps", self.link["h2d_gbps"])
+        return self.link["latency_us"] / 1e3 + nbytes / (gbps * 1e6)
+
+    @property
+    def cpu_with_copy_factor(self) -> float:
+        return float(self.link["cpu_with_copy_factor"]) if self.link else 1.0
+
+    def describe(self) -> list[str]:
+        """Human-readable summary lines (for `python -m engine profile`)."""
+        mode = "quick" if self.data.get("quick") else "full"
+        lines = [f"profile of {self.device} ({mode}, {self.data.get('created', '?')})"]
+        for where, sec in (("cpu", self.cpu), ("gpu", self.gpu)):
+            if sec is None:
+                continue
+            name = sec.get("name") or self.data.get("fingerprint", {}).get("gpu" if where == "gpu" else "cpu")
+            lines.append(f"  {where}: {name}; op overhead {sec['op_overhead_us']:.1f} us; "
+                         f"memory {sec['mem_gbps']:.1f} GB/s")
+            for dtype, classes in sec["gemm"].items():
+                cells = []
+                for cls_name, rows in classes.items():
+                    pts = ", ".join(f"{int(n)}:{r:.3g}" for n, r in rows)
+                    cells.append(f"{cls_name} [{pts}]")
+                lines.append(f"    matmul GFLOP/s {dtype}: " + "; ".join(cells))
+            for dtype, r in sec["attention"].items():
+                lines.append(f"    attention {dtype}: {r['gbps']:.3g} GB/s of KV at decode, "
+                             f"{r['gflops']:.3g} GFLOP/s at prefill")
+            if "threads_gbps" in sec:
+                lines.append("    bf16 GEMV GB/s by threads: "
+                             + ", ".join(f"{t}: {g:.1f}" for t, g in sec["threads_gbps"].items()))
+        if self.link:
+            lk = self.link
+            lines.append(f"  PCIe: host->GPU {lk['h2d_gbps']:.1f} GB/s alone, {lk['h2d_with_cpu_gbps']:.1f} "
+                         f"beside CPU work; CPU keeps {lk['cpu_with_copy_factor']:.0%} of its rate while "
+                         f"copies run; activation move {lk['latency_us']:.0f} us")
+        return lines
+
+
+def normalize_device(device: str) -> str:
+    """'auto' -> 'cuda:0' or 'cpu'; 'cuda' -> 'cuda:0'."""
+    if device == "auto":
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        return "cuda:0"
+    if device in ("sim", "cpu") or device.startswith("cuda:"):
+        return device
+    from engine.errors import BadInputError
+
+    raise BadInputError(f"device={device!r}: expected 'sim', 'cpu', 'cuda', 'cuda:N' or 'auto'")
+
+
+def measure_profile(device: str, quick: bool = True, progress: Callable[[float, str], None] | None = None) -> dict:
+    """Measure this machine for `device` ("cpu" or "cuda:N"); a profile dict (without fingerprint)."""
+    import torch
+
+    from engine.sharding import measure
+    from engine.sharding.measure_link import link_section
+
+    device = normalize_device(device)
+    cpu_sizes = measure.CPU_QUICK if quick else measure.CPU_FULL
+    data: dict = {"schema": profile_store.SCHEMA, "device": device, "quick": quick,
+                  "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": None, "link": None}
+    if not device.startswith("cuda"):
+        data["cpu"] = measure.cpu_section(cpu_sizes, progress)
+        if progress:
+            progress(1.0, "done")
+        return data
+    if not torch.cuda.is_available():
+        from engine.errors import BadInputError
+
+        raise BadInputError(f"device={device!r}: no CUDA GPU is available to PyTorch here")
+    gpu_sizes = measure.GPU_QUICK if quick else measure.GPU_FULL
+    with torch.cuda.device(torch.device(device)):
+        data["cpu"] = measure.cpu_section(cpu_sizes, progress, 0.0, 0.5)
+        n_steps = len(gpu_sizes.dtypes) * (3 * len(gpu_sizes.tokens) + 1) + 1
+        step = measure._Steps(n_steps + 4, progress, 0.5, 0.5)
+        data["gpu"] = measure.device_section(gpu_sizes, device, step)
+        data["gpu"]["name"] = torch.cuda.get_device_name(torch.device(device))
+        data["link"] = link_section(gpu_sizes, device, step)
+        torch.cuda.empty_cache()
+    if progress:
+        progress(1.0, "done")
+    return data
