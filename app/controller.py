@@ -152,6 +152,7 @@ class AppController(QObject):
         for name in Settings.__slots__:
             setattr(self.settings, name, getattr(new, name))
         save_settings(self.settings, paths.settings_file())
+        self.monitor.set_reserve(self.settings.reserve)
         for line in problems:
             self.window.notice.show_message(line, "warning")
         self.window.picker.set_entries(discover_models(self.settings.extra_model_dirs), self.model_source)
@@ -328,6 +329,8 @@ class AppController(QObject):
 
     def _metrics(self, ev: dict) -> None:
         self.state.set_metrics(ev)
+        if isinstance(ev.get("own_vram"), int):
+            self.monitor.set_own_vram(ev["own_vram"])
         if ev.get("generating"):
             self.window.speed_label.setText(format_rate(ev.get("tokens_per_s")))
 

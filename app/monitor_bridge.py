@@ -59,6 +59,16 @@ class MonitorBridge(QObject):
             except Exception as exc:  # noqa: BLE001 - the charts then count the worker as "others"
                 self.status = f"monitor: set_own_pids failed: {exc}"
 
+    def set_own_vram(self, n_bytes: int | None) -> None:
+        """The engine's own VRAM figure, for drivers that do not attribute memory to our process."""
+        if self._monitor is not None:
+            self._monitor.set_own_vram(n_bytes)
+
+    def set_reserve(self, n_bytes: int) -> None:
+        self.reserve = n_bytes
+        if self._monitor is not None:
+            self._monitor.policy.set_reserve(n_bytes)
+
     def latest(self):
         if self._monitor is None:
             return None

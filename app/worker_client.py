@@ -241,7 +241,8 @@ class WorkerClient(QObject):
         recent = [t for t in self._deaths if now - t < 60]
         if len(recent) > MAX_RESTARTS:
             self._set_state("failed")
-            self.died.emit(f"The engine stopped ({how}) {len(recent)} times in a minute; not restarting. "
+            where = f" Its log: {self.log_path}." if self.log_path else ""
+            self.died.emit(f"The engine stopped ({how}) {len(recent)} times in a minute; not restarting.{where} "
                            f"{last}".strip())
         else:
             what = " and reloading the model" if self._last_load is not None else ""
