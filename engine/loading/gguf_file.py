@@ -62,12 +62,19 @@ class GgufFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         try:
+            with open(self.path, "rb") as fh:
+                magic = fh.read(4)
+        except OSError as exc:
+            raise ModelLoadError(f"{self.path}: cannot be read ({exc.strerror or exc})") from exc
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{self.path}: not a GGUF file (it does not start with 'GGUF')")
+        try:
             from gguf import GGUFReader
 
             self.reader = GGUFReader(str(self.path), "r")
         except Exception as exc:  # ValueError, struct errors, mmap errors on truncated/corrupt files
             reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
-            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({reason})") from exc
+            raise ModelLoadError(f"{self.path}: truncated or corrupt GGUF file ({reason})") from exc
         self.meta = {name: field for name, field in self.reader.fields.items()}
         self.arch = self._get("general.architecture", str)
         if self.arch not in SUPPORTED_ARCHS:

@@ -157,7 +157,7 @@ def _open(file: Path):
     try:
         return safe_open(str(file), framework="pt")
     except Exception as exc:  # SafetensorError, OSError: a truncated or corrupt file
-        raise ModelLoadError(f"{file}: not a readable safetensors file ({exc})") from exc
+        raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({exc})") from exc
 
 
 def _stored_dtype(folder: Path) -> str:
@@ -240,8 +240,8 @@ def _chat_template(folder: Path, tok_cfg: dict) -> str | None:
 
 
 def load_hf_tokenizer(folder: Path, cfg: ModelConfig) -> ChatTokenizer:
-    """tokenizer.json + tokenizer_config.json (special tokens, add_bos/add_eos, chat template)."""
-    from tokenizers import Tokenizer, processors
+    """tokenizer.json + tokenizer_config.json (special tokens, chat template)."""
+    from tokenizers import Tokenizer
 
     path = folder / "tokenizer.json"
     if not path.is_file():
@@ -254,16 +254,8 @@ def load_hf_tokenizer(folder: Path, cfg: ModelConfig) -> ChatTokenizer:
     if (folder / "special_tokens_map.json").is_file():
         tok_cfg = {**_read_json(folder / "special_tokens_map.json"), **tok_cfg}
     specials = {k: _token_str(tok_cfg.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
-    # transformers (v5) rebuilds the post-processor from add_bos_token/add_eos_token when the config
-    # names either flag, or when tokenizer.json has none.
-    if "add_bos_token" in tok_cfg or "add_eos_token" in tok_cfg or backend.post_processor is None:
-        bos, eos = (specials[k] if tok_cfg.get(f"add_{k}") and specials[k] is not None
-                    and backend.token_to_id(specials[k]) is not None else None
-                    for k in ("bos_token", "eos_token"))
-        single = " ".join([f"{bos}:0"] * bool(bos) + ["$A:0"] + [f"{eos}:0"] * bool(eos))
-        pair = " ".join([single] + [f"{bos}:1"] * bool(bos) + ["$B:1"] + [f"{eos}:1"] * bool(eos))
-        pairs = [(t, backend.token_to_id(t)) for t in (bos, eos) if t]
-        backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=pairs)
+    # BOS/EOS come from tokenizer.json's post-processor, as in transformers (which ignores the
+    # add_bos_token/add_eos_token flags of tokenizer_config.json for tokenizer.json-backed tokenizers).
     return ChatTokenizer(
         backend, bos_token=specials["bos_token"], eos_token=specials["eos_token"],
         eos_token_ids=set(cfg.eos_token_ids), chat_template=_chat_template(folder, tok_cfg),
