@@ -17,7 +17,13 @@ __all__ = ["LoadedModel", "Tokenizer", "load_model", "load_tokenizer", "read_con
 
 
 def read_config(source: str | Path | None) -> ModelConfig:
-    """The model's configuration, read without touching its weights."""
+    """The model's configuration, read without touching its weights. A named shape such as
+    "llama3-8b" (engine.bench.shapes) is accepted where no file or folder of that name exists."""
+    if isinstance(source, str) and not Path(source).exists():
+        from engine.bench.shapes import SHAPES
+
+        if source.lower() in SHAPES:
+            return SHAPES[source.lower()]
     path = resolve_source(source)
     if path.is_dir():
         from engine.loading.hf import read_hf_config

@@ -75,7 +75,7 @@ class GgufFile:
         except Exception as exc:  # ValueError, struct errors, mmap errors on truncated/corrupt files
             reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
             raise ModelLoadError(f"{self.path}: truncated or corrupt GGUF file ({reason})") from exc
-        self.meta = {name: field for name, field in self.reader.fields.items()}
+        self.meta = dict(self.reader.fields)
         self.arch = self._get("general.architecture", str)
         if self.arch not in SUPPORTED_ARCHS:
             raise UnsupportedModelError(f"{self.path}: general.architecture '{self.arch}' is not supported "

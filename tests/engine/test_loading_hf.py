@@ -124,3 +124,8 @@ def test_canonical_names():
     assert canonical_name("model.embed_tokens.weight") == "embed.weight"
     assert canonical_name("lm_head.weight") == "head.weight"
     assert canonical_name("model.layers.0.mlp.experts.0.w1.weight") is None
+
+
+def test_read_config_accepts_named_shapes():
+    cfg = read_config("llama3-8b")
+    assert (cfg.num_layers, cfg.hidden_size, cfg.dtype) == (32, 4096, "bfloat16")
