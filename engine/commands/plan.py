@@ -66,7 +66,8 @@ def placement_map(plan: Plan) -> str:
     return f"E:{LETTER[pl['embed']]} | {layers} | H:{LETTER[pl['head']]}"
 
 
-def print_table(name: str, cfg, spec, planset: PlanSet, prof, kv_tokens: int, out=sys.stdout) -> None:
+def print_table(name: str, cfg, spec, planset: PlanSet, prof, kv_tokens: int, out=None) -> None:
+    out = out or sys.stdout
     print(f"{name}: {cfg.arch}, {cfg.dtype}, {cfg.num_layers} layers, {format_bytes(spec.total_weight_bytes)}"
           f" of weights; budget {format_bytes(planset.budget)}; KV for {kv_tokens} tokens; "
           f"profile {prof.device}", file=out)
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
 
     prof = ProfileDatabase.for_device(args.device, quick=True, progress=progress_printer(sys.stderr))
     planner = Planner(spec, prof, tiers=tiers, n_slots=args.n_slots)
-    planset = planner.plan(budget, kv_tokens=args.kv_tokens, force_kind=None if args.kind == "auto" else args.kind)
+    forced = None if args.kind == "auto" else args.kind
+    planset = planner.plan(budget, kv_tokens=args.kv_tokens, force_kind=forced)
     if args.json:
         rep = planset.report()
         rep.update(model=name, device=args.device, profile=prof.device, kv_tokens=args.kv_tokens,

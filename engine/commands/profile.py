@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto", help="auto (default: cuda if present, else cpu), cuda, cuda:N, "
-                   "cpu or sim")
+    p.add_argument("--device", default="auto",
+                   help="auto (default: cuda if present, else cpu), cuda, cuda:N, cpu or sim")
     p.add_argument("--quick", action="store_true", help="smaller shapes and fewer points (under a minute)")
     p.add_argument("--show", action="store_true", help="print the stored profile, measuring only if none")
     p.add_argument("--json", action="store_true", help="print the profile as JSON")

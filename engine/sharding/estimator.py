@@ -6,7 +6,8 @@ CPU and GPU (bytes over PCIe plus a fixed latency) wherever consecutive sub-laye
 
 `simulate` then replays the executor's schedule for many placements at once (numpy, one row each):
 - sub-layers run in order (embed, layers.0.attn, layers.0.ffn, ..., head), each starting when the previous
-  one has finished, its input has crossed over if the side changed, and (if streamed) its weights arrived;
+  one has finished, its input has crossed over if the side changed, and (if streamed) its weights arrived
+  (a streamed sub-layer also costs the host two kernel launches' worth of work for its copy and wait);
 - the copy engine copies streamed sub-layers in order, one at a time, each into a free slot; a slot frees
   when the sub-layer that used it (n_slots streamed sub-layers earlier) finishes; with no more streamed
   sub-layers than slots, each keeps its slot and is copied once, not every step;
@@ -43,6 +44,7 @@ class StepCosts:
     to_gpu_ms: np.ndarray     # [S] moving sub-layer i's input to the GPU (token ids for i = 0)
     to_cpu_ms: float          # moving the hidden state to the host
     out_ms: float             # logits back to the host when the last sub-layer ran on the GPU
+    stream_ms: float = 0.0    # host work per streamed sub-layer (issue its copy, order compute after it)
 
 
 def dtype_name(spec: ModelSpec) -> str:
@@ -72,14 +74,14 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
             else:
                 t = prof.gemm_ms(side, dt, "head", sub.flops_per_token, rows)
             ms[side][i] = t + prof.op_ms(side, OPS[sub.kind])
-    if not prof.has_gpu:
+    if not prof.has_gpu:   # any GPU placement costs infinity (crossings stay finite: 0 x inf is nan)
         ms["gpu"][:] = np.inf
-        return StepCosts(ms["gpu"], ms["cpu"], np.full(len(spec.sublayers), np.inf), 0.0, np.inf)
+        return StepCosts(ms["gpu"], ms["cpu"], np.zeros(len(spec.sublayers)), 0.0, 0.0)
     hidden_bytes = n * cfg.hidden_size * db
     to_gpu = np.full(len(spec.sublayers), prof.move_ms(hidden_bytes, True))
     to_gpu[0] = prof.move_ms(n * 8, True)
     return StepCosts(ms["gpu"], ms["cpu"], to_gpu, prof.move_ms(hidden_bytes, False),
-                     prof.move_ms(rows * cfg.vocab_size * 4, False))
+                     prof.move_ms(rows * cfg.vocab_size * 4, False), prof.op_ms("gpu", 2))
 
 
 def copy_costs(spec: ModelSpec, prof: ProfileDatabase) -> tuple[np.ndarray, np.ndarray]:
@@ -159,6 +161,7 @@ def simulate(place: np.ndarray, costs: StepCosts, copy_alone: np.ndarray, copy_b
                 d_cpu = np.minimum(w / rho, w + w_busy * np.maximum(last - ready, 0.0)) if rho < 1 else w
                 e = ready + d_cpu if all_cpu else ready + np.where(g, costs.gpu_ms[i], d_cpu)
             if len(rows):
+                e[rows] += costs.stream_ms
                 e_str[gord * B + rows] = e[rows]
                 done[rows] += 1
                 schedule()
@@ -195,6 +198,7 @@ class Estimator:
         return simulate(place, self.costs(n_tokens, ctx_len), self.copy_alone, self.copy_busy,
                         self.compute_mask, self.rho, n_slots)
 
-    def estimate(self, placement: dict[str, Placement], n_tokens: int, ctx_len: int, n_slots: int = 2) -> float:
+    def estimate(self, placement: dict[str, Placement], n_tokens: int, ctx_len: int,
+                 n_slots: int = 2) -> float:
         """Predicted milliseconds of one steady-state step of `n_tokens` new tokens over `ctx_len` context."""
         return float(self.simulate(self.encode(placement)[None, :], n_tokens, ctx_len, n_slots)[0])

@@ -107,7 +107,8 @@ def _weights(shape: tuple[int, int], dtype: torch.dtype, rotate_bytes: int, devi
 # ---- the measurements ---------------------------------------------------------------------------
 class _Steps:
     def __init__(self, total: int, progress: Progress | None, offset: float = 0.0, share: float = 1.0):
-        self.total, self.done, self.progress, self.offset, self.share = max(total, 1), 0, progress, offset, share
+        self.total, self.done, self.progress = max(total, 1), 0, progress
+        self.offset, self.share = offset, share
 
     def __call__(self, message: str) -> None:
         if self.progress is not None:
@@ -139,7 +140,8 @@ def _linear_fn(ws: list[torch.Tensor], n: int) -> Callable[[int], object]:
     return lambda i: F.linear(x, ws[i % len(ws)])
 
 
-def _sdpa_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> Callable[[int], object]:
+def _sdpa_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | None) -> Callable[[int], object]:
     return lambda i: F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -222,7 +224,7 @@ def device_section(sizes: Sizes, device, step: _Steps) -> dict:
     step(f"{'gpu' if cuda else 'cpu'} op overhead and memory bandwidth")
     sec["op_overhead_us"] = op_overhead_us(device)
     sec["mem_gbps"] = memory_gbps(device, min(sizes.rotate_bytes, 256 * MiB))
-    sec["shapes"] = {k: v for k, v in asdict(sizes).items() if k not in ("dtypes",)}
+    sec["shapes"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(sizes).items()}
     return sec
 
 

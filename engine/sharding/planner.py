@@ -23,6 +23,8 @@ slower PlanSet score), and budget 0 always has the all-CPU plan (0 bytes).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from engine.errors import BadInputError, BudgetError
@@ -85,7 +87,7 @@ class Family:
         self.k = np.concatenate([k_of, k_of[all_gpu]])
         embed_res = np.arange(len(self.place)) >= len(place)
         n_cpu = ((self.place == CPU) & compute).sum(1)
-        n_str = (self.place == STR).sum(1)
+        self.n_str = n_str = (self.place == STR).sum(1)
         self.masks = {"auto": ~embed_res, "gpu_only": embed_res, "static": ~embed_res & (n_str == 0),
                       "dynamic": ~embed_res & (n_str > 0) & (n_cpu > 0)}
         self.label = np.where(n_cpu == 0, "gpu_only", np.where(n_str == 0, "static", "dynamic"))
@@ -111,11 +113,19 @@ class Family:
         return rows
 
 
-class _Front:
-    """Fastest member at or under each VRAM size, for one (kind, k, tier)."""
+def _round_significant(x: np.ndarray, digits: int) -> np.ndarray:
+    finite = np.isfinite(x) & (x > 0)
+    exp = np.floor(np.log10(np.where(finite, x, 1.0)))
+    scale = 10.0 ** (digits - 1 - exp)
+    return np.where(finite, np.round(x * scale) / scale, x)
 
-    def __init__(self, members: np.ndarray, vram: np.ndarray, ms: np.ndarray):
-        order = np.lexsort((ms, vram))
+
+class _Front:
+    """Fastest member at or under each VRAM size, for one (kind, k, tier); among equals the one with
+    less VRAM, then the one streaming fewer sub-layers."""
+
+    def __init__(self, members: np.ndarray, vram: np.ndarray, ms: np.ndarray, n_str: np.ndarray):
+        order = np.lexsort((n_str, ms, vram))
         self.members, self.vram, ms = members[order], vram[order], ms[order]
         best = np.minimum.accumulate(ms)
         prev = np.concatenate([[np.inf], best[:-1]])
@@ -127,6 +137,20 @@ class _Front:
         if pos < 0:
             return None
         return int(self.members[self.best_pos[pos]]), float(self.best_ms[pos])
+
+
+def score(tier_ms: list[tuple[int, float]]) -> float:
+    """How a PlanSet is judged: the sum over tiers of milliseconds per token, where a tier may also run
+    as steps of a smaller tier (so each term is the best per-token time at or below that tier)."""
+    total, per_token = 0.0, math.inf
+    for tier, ms in tier_ms:
+        per_token = min(per_token, ms / tier)
+        total += per_token
+    return total
+
+
+def planset_score(plans: list[Plan]) -> float:
+    return score([(p.tier, p.predicted_ms) for p in plans])
 
 
 def best_step_tokens(plans: list[Plan]) -> int:
@@ -161,9 +185,11 @@ class Planner:
             fam = self.family
             kv_layer = kv_cache_bytes(self.spec, kv_tokens, 1)
             scratch = np.array([scratch_bytes(self.spec, t) for t in self.tiers], dtype=np.int64)
-            vram = (fam.weights + fam.slots + fam.k * kv_layer)[:, None] + fam.any_gpu[:, None] * scratch[None, :]
+            fixed = fam.weights + fam.slots + fam.k * kv_layer
+            vram = fixed[:, None] + fam.any_gpu[:, None] * scratch[None, :]
             ms = np.stack([self.estimator.simulate(fam.place, t, planning_context(t, kv_tokens), self.n_slots)
                            for t in self.tiers], 1)
+            ms = _round_significant(ms, 12)   # equal schedules compare equal despite rounding noise
             self._tables[kv_tokens] = (vram, ms)
         return self._tables[kv_tokens]
 
@@ -172,7 +198,9 @@ class Planner:
         if key not in self._fronts:
             vram, ms = self._table(kv_tokens)
             members = np.nonzero(self.family.masks[kind] & (self.family.k == k))[0]
-            self._fronts[key] = _Front(members, vram[members, ti], ms[members, ti]) if len(members) else None
+            fam = self.family
+            self._fronts[key] = (_Front(members, vram[members, ti], ms[members, ti], fam.n_str[members])
+                                 if len(members) else None)
         return self._fronts[key]
 
     # ---- planning ------------------------------------------------------------------------------
@@ -190,7 +218,7 @@ class Planner:
             return self._all_cpu(budget, kv_tokens, kind, strict)
         best = None
         for k in np.unique(self.family.k):
-            picks, n_strict, score, per_token = [], 0, 0.0, np.inf
+            picks, n_strict = [], 0
             for ti, tier in enumerate(self.tiers):
                 hit = None
                 if kind != "auto" and (front := self._front(kv_tokens, kind, int(k), ti)) is not None:
@@ -201,16 +229,16 @@ class Planner:
                 if hit is None:
                     break
                 picks.append(hit)
-                per_token = min(per_token, hit[1] / tier)   # longer inputs can run as smaller steps
-                score += per_token
             else:
-                cand = (-n_strict, score)
+                cand = (-n_strict, score([(t, ms) for t, (_, ms) in zip(self.tiers, picks)]))
                 if best is None or cand < best[0]:
                     best = (cand, picks)
         if strict and kind != "auto" and -best[0][0] < len(self.tiers):
+            need = format_bytes(self.min_budget(kind, kv_tokens))
             raise BudgetError(f"no {kind} plan fits a VRAM budget of {format_bytes(budget)} for every tier "
-                              f"(the {kind} plans need at least {format_bytes(self.min_budget(kind, kv_tokens))})")
-        plans = [self._make_plan(m, ms, tier, kind, kv_tokens, budget) for (m, ms), tier in zip(best[1], self.tiers)]
+                              f"(the {kind} plans need at least {need})")
+        plans = [self._make_plan(m, ms, tier, kind, kv_tokens, budget)
+                 for (m, ms), tier in zip(best[1], self.tiers)]
         return PlanSet(budget, plans, step_tokens=best_step_tokens(plans))
 
     def min_budget(self, kind: str, kv_tokens: int = 4096) -> int:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from engine.sharding import profile_store
 
+Progress = Callable[[float, str], None]   # (fraction done, what runs now)
 SIM_TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 CLASSES = ("attn", "ffn", "head")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -101,7 +102,7 @@ class ProfileDatabase:
         return cls(sim_profile_dict())
 
     @classmethod
-    def for_device(cls, device: str = "sim", quick: bool = True, progress: Callable[[float, str], None] | None = None,
+    def for_device(cls, device: str = "sim", quick: bool = True, progress: Progress | None = None,
                    path: Path | None = None, remeasure: bool = False) -> ProfileDatabase:
         """The profile of `device` ("sim" | "cpu" | "cuda" | "cuda:N" | "auto"): cached, else measured."""
         device = normalize_device(device)
@@ -232,7 +233,7 @@ def normalize_device(device: str) -> str:
     raise BadInputError(f"device={device!r}: expected 'sim', 'cpu', 'cuda', 'cuda:N' or 'auto'")
 
 
-def measure_profile(device: str, quick: bool = True, progress: Callable[[float, str], None] | None = None) -> dict:
+def measure_profile(device: str, quick: bool = True, progress: Progress | None = None) -> dict:
     """Measure this machine for `device` ("cpu" or "cuda:N"); a profile dict (without fingerprint)."""
     import torch
 
@@ -241,8 +242,9 @@ def measure_profile(device: str, quick: bool = True, progress: Callable[[float, 
 
     device = normalize_device(device)
     cpu_sizes = measure.CPU_QUICK if quick else measure.CPU_FULL
-    data: dict = {"schema": profile_store.SCHEMA, "device": device, "quick": quick,
-                  "created": datetime.now(timezone.utc).isoformat(timespec="seconds"), "gpu": None, "link": None}
+    created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    data: dict = {"schema": profile_store.SCHEMA, "device": device, "quick": quick, "created": created,
+                  "gpu": None, "link": None}
     if not device.startswith("cuda"):
         data["cpu"] = measure.cpu_section(cpu_sizes, progress)
         if progress:

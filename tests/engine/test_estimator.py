@@ -1,0 +1,114 @@
+"""The estimator models the executor's pipeline: check it against hand-computed schedules."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.bench.shapes import get_shape
+from engine.sharding.estimator import Estimator
+from engine.sharding.plan import Placement
+from engine.sharding.profile import ProfileDatabase, sim_profile_dict
+from engine.sharding.spec import ModelSpec
+from tests.engine.planner_cases import model_configs
+
+SIM = ProfileDatabase.sim()
+R, S, C = Placement.RESIDENT, Placement.STREAMED, Placement.CPU
+
+
+def placement(spec, rule) -> dict:
+    return {s.name: rule(s) for s in spec.sublayers}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    spec = ModelSpec.from_config(get_shape("llama3-8b"))
+    return spec, Estimator(spec, SIM)
+
+
+def test_all_resident_is_the_sum_of_gpu_costs(llama):
+    spec, est = llama
+    c = est.costs(1, 2048)
+    expect = c.to_gpu_ms[0] + c.gpu_ms.sum() + c.out_ms
+    assert est.estimate(placement(spec, lambda s: R), 1, 2048) == pytest.approx(expect)
+
+
+def test_all_cpu_is_the_sum_of_cpu_costs(llama):
+    spec, est = llama
+    c = est.costs(16, 2048)
+    assert est.estimate(placement(spec, lambda s: C), 16, 2048) == pytest.approx(c.cpu_ms.sum())
+
+
+def test_few_streamed_sub_layers_keep_their_slots(llama):
+    """With no more streamed sub-layers than slots, each is copied once and then stays: steady state
+    costs what resident costs, plus the host's bookkeeping per streamed sub-layer."""
+    spec, est = llama
+    two = {"layers.3.ffn", "layers.9.ffn"}
+    pl = placement(spec, lambda s: S if s.name in two else R)
+    resident = est.estimate(placement(spec, lambda s: R), 1, 512)
+    assert est.estimate(pl, 1, 512, n_slots=2) == pytest.approx(resident + 2 * est.costs(1, 512).stream_ms)
+    assert est.estimate(pl, 1, 512, n_slots=1) > est.estimate(pl, 1, 512, n_slots=2)
+
+
+def test_all_streamed_decode_is_bound_by_the_copies(llama):
+    spec, est = llama
+    pl = placement(spec, lambda s: R if s.kind == "embed" else S)
+    copies = sum(est.copy_alone[i] for i, s in enumerate(spec.sublayers) if s.kind != "embed")
+    t = est.estimate(pl, 1, 512)
+    assert copies <= t <= copies * 1.05 + 0.1
+
+
+def test_cpu_and_copies_overlap(llama):
+    """FFNs on the CPU while the next attention streams: the step takes less than CPU + copy time, at
+    least the longer of the two, and more when the CPU slows down beside copies."""
+    spec, est = llama
+    pl = placement(spec, lambda s: S if s.kind == "attn" else C)
+    c = est.costs(1, 512)
+    cpu = sum(c.cpu_ms[i] for i, s in enumerate(spec.sublayers) if s.kind != "attn")
+    copy = sum(est.copy_busy[i] for i, s in enumerate(spec.sublayers) if s.kind == "attn")
+    t = est.estimate(pl, 1, 512)
+    assert max(cpu, copy) <= t < cpu + copy
+    data = sim_profile_dict()
+    data["link"]["cpu_with_copy_factor"] = 1.0
+    free = Estimator(spec, ProfileDatabase(data)).estimate(pl, 1, 512)
+    assert free < t
+
+
+def test_device_changes_cost_moves(llama):
+    spec, est = llama
+    alternating = placement(spec, lambda s: R if s.kind == "attn" else C)
+    c = est.costs(1, 512)
+    plain = sum(c.gpu_ms[i] if s.kind == "attn" else c.cpu_ms[i] for i, s in enumerate(spec.sublayers))
+    moves = 32 * (c.to_gpu_ms[1] + c.to_cpu_ms)
+    assert est.estimate(alternating, 1, 512) == pytest.approx(plain + moves)
+
+
+def test_longer_context_costs_more_attention(llama):
+    spec, est = llama
+    pl = placement(spec, lambda s: C)
+    assert est.estimate(pl, 1, 8192) > est.estimate(pl, 1, 1024)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=model_configs(), seed=st.integers(0, 10**6), n_slots=st.integers(1, 3))
+def test_more_tokens_never_cheaper_per_step(cfg, seed, n_slots):
+    spec = ModelSpec.from_config(cfg)
+    est = Estimator(spec, SIM)
+    rng = random.Random(seed)
+    pl = placement(spec, lambda s: rng.choice([R, S, C]))
+    times = [est.estimate(pl, n, 4096, n_slots) for n in (1, 2, 4, 16, 64, 256, 1024, 4096)]
+    assert all(b >= a * (1 - 1e-12) for a, b in itertools.pairwise(times)), times
+    assert all(np.isfinite(times))
+
+
+def test_batch_and_single_estimates_agree(llama):
+    spec, est = llama
+    rng = random.Random(1)
+    rows = [{s.name: rng.choice([R, S, C]) for s in spec.sublayers} for _ in range(20)]
+    batch = est.simulate(np.stack([est.encode(r) for r in rows]), 64, 1024, 2)
+    assert batch == pytest.approx([est.estimate(r, 64, 1024) for r in rows])

@@ -1,0 +1,174 @@
+"""Planner properties over random model shapes and budgets, on the deterministic "sim" profile."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.sharding.memory import vram_breakdown
+from engine.sharding.plan import PLAN_KINDS, Placement, Plan, PlanSet
+from engine.sharding.planner import Planner, planning_context, planset_score, score
+from engine.sharding.profile import ProfileDatabase
+from engine.sharding.spec import ModelSpec
+from tests.engine.planner_cases import attention_sides, is_kind, model_configs
+
+SIM = ProfileDatabase.sim()
+TIERS = (1, 4, 16, 64, 256, 1024)
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+_planners: dict = {}
+
+
+def planner_for(cfg, tiers=TIERS, n_slots=2) -> Planner:
+    key = (cfg, tiers, n_slots)
+    if key not in _planners:
+        _planners[key] = Planner(ModelSpec.from_config(cfg), SIM, tiers=tiers, n_slots=n_slots)
+    return _planners[key]
+
+
+def budgets_for(planner: Planner, fractions: list[float]) -> list[int]:
+    total = planner.spec.total_weight_bytes * 2
+    return [int(f * total) for f in fractions]
+
+
+def check_planset(planner: Planner, ps: PlanSet, budget: int, kv_tokens: int, kind: str | None) -> None:
+    spec = planner.spec
+    names = [s.name for s in spec.sublayers]
+    assert [p.tier for p in ps.plans] == list(planner.tiers)
+    sides = attention_sides(ps.plans[0])
+    for p in ps.plans:
+        assert list(p.placement) == names                    # every sub-layer placed, in order
+        assert all(isinstance(v, Placement) for v in p.placement.values())
+        assert p.vram.total <= budget
+        assert p.vram.as_dict() == vram_breakdown(spec, p.placement, p.tier, kv_tokens, p.n_slots).as_dict()
+        assert attention_sides(p) == sides                  # the KV cache lives where attention runs
+        assert p.kind in PLAN_KINDS and is_kind(p, p.kind)
+        assert math.isfinite(p.predicted_ms) and p.predicted_ms > 0
+        again = planner.estimate(p, p.tier, planning_context(p.tier, kv_tokens))
+        assert again == pytest.approx(p.predicted_ms, rel=1e-9)
+    assert ps.step_tokens in planner.tiers
+
+
+@SETTINGS
+@given(cfg=model_configs(), fracs=st.lists(st.floats(0, 1.2), min_size=1, max_size=3),
+       kv_tokens=st.sampled_from([0, 16, 300, 4096]), kind=st.sampled_from([None, *PLAN_KINDS]))
+def test_every_plan_fits_and_is_consistent(cfg, fracs, kv_tokens, kind):
+    planner = planner_for(cfg)
+    for budget in [0, 1, 4096] + budgets_for(planner, fracs):
+        ps = planner.plan(budget, kv_tokens=kv_tokens, force_kind=kind)
+        check_planset(planner, ps, budget, kv_tokens, kind)
+
+
+@SETTINGS
+@given(cfg=model_configs(), fracs=st.lists(st.floats(0, 1.2), min_size=2, max_size=6),
+       kv_tokens=st.sampled_from([16, 4096]))
+def test_more_budget_never_predicts_slower(cfg, fracs, kv_tokens):
+    planner = planner_for(cfg)
+    budgets = sorted(budgets_for(planner, fracs))
+    scores = [planset_score(planner.plan(b, kv_tokens=kv_tokens).plans) for b in budgets]
+    assert all(b <= a for a, b in itertools.pairwise(scores)), scores
+    for tier in (1, 64):   # one tier alone: its own predicted time never rises with the budget
+        single = planner_for(cfg, tiers=(tier,))
+        ms = [single.plan(b, kv_tokens=kv_tokens).plans[0].predicted_ms for b in budgets]
+        assert all(b <= a for a, b in itertools.pairwise(ms)), ms
+
+
+@SETTINGS
+@given(cfg=model_configs(), kind=st.sampled_from([None, *PLAN_KINDS]), budget=st.sampled_from([0, 1, 1000]))
+def test_tiny_budget_is_all_cpu(cfg, kind, budget):
+    ps = planner_for(cfg).plan(budget, kv_tokens=4096, force_kind=kind)
+    for p in ps.plans:
+        assert set(p.placement.values()) == {Placement.CPU}
+        assert p.vram.total == 0
+        assert p.kind == "static"
+
+
+@SETTINGS
+@given(cfg=model_configs())
+def test_huge_budget(cfg):
+    planner = planner_for(cfg)
+    huge = 1 << 50
+    for p in planner.plan(huge, kv_tokens=4096, force_kind="gpu_only").plans:
+        assert p.kind == "gpu_only"
+        assert set(p.placement.values()) == {Placement.RESIDENT}
+        assert p.vram.slots == 0
+    resident = {s.name: Placement.CPU if s.kind == "embed" else Placement.RESIDENT
+                for s in planner.spec.sublayers}
+    plans = planner.plan(huge, kv_tokens=4096).plans     # auto: at least as good as all resident
+    ref = [(t, planner.estimator.estimate(resident, t, planning_context(t, 4096))) for t in planner.tiers]
+    assert planset_score(plans) <= score(ref) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("shape", ["llama3-8b", "qwen2.5-7b", "smollm2-135m"])
+def test_huge_budget_real_shapes_run_resident(shape):
+    from engine.bench.shapes import get_shape
+
+    for p in planner_for(get_shape(shape)).plan(1 << 50, kv_tokens=4096).plans:
+        assert {v for n, v in p.placement.items() if n != "embed"} == {Placement.RESIDENT}
+        assert p.kind == "gpu_only"
+
+
+@SETTINGS
+@given(cfg=model_configs(), frac=st.floats(0.05, 1.0))
+def test_tiers_share_nested_resident_sets(cfg, frac):
+    planner = planner_for(cfg)
+    ps = planner.plan(budgets_for(planner, [frac])[0], kv_tokens=256)
+    sets = [set(p.resident()) - {"embed"} for p in ps.plans]
+    for a in sets:
+        for b in sets:
+            assert a <= b or b <= a
+
+
+def test_forced_kinds_on_llama3_8b():
+    from engine.bench.shapes import get_shape
+
+    planner = planner_for(get_shape("llama3-8b"))
+    for kind in PLAN_KINDS:
+        ps = planner.plan("8GiB", kv_tokens=4096, force_kind=kind)
+        assert ps.plans[0].kind == kind and is_kind(ps.plans[0], kind)
+    for budget in ("2GiB", "5GiB", "8GiB", "20GiB"):
+        auto = planset_score(planner.plan(budget, kv_tokens=4096).plans)
+        for kind in ("static", "dynamic"):    # auto chooses among a superset of these
+            assert auto <= planset_score(planner.plan(budget, kv_tokens=4096, force_kind=kind).plans)
+
+
+def test_strict_forced_kind_raises_when_it_cannot_fit():
+    from engine.bench.shapes import get_shape
+    from engine.errors import BudgetError
+
+    planner = planner_for(get_shape("llama3-8b"))
+    with pytest.raises(BudgetError, match="gpu_only"):
+        planner.plan("1GiB", kv_tokens=4096, force_kind="gpu_only", strict=True)
+    assert planner.min_budget("gpu_only", 4096) > 1 << 30
+    assert planner.min_budget("auto") == 0
+
+
+def test_unknown_kind_is_a_clear_error():
+    from engine.bench.shapes import get_shape
+    from engine.errors import BadInputError
+
+    with pytest.raises(BadInputError, match="plan kind"):
+        planner_for(get_shape("smollm2-135m")).plan("1GiB", force_kind="fast")
+
+
+def test_tier_lookup():
+    plans = [Plan(t, "static", {}) for t in (1, 4, 16, 64)]
+    ps = PlanSet(0, plans)
+    got = [ps.for_tokens(n).tier for n in (1, 2, 4, 5, 16, 17, 64, 65, 10**6)]
+    assert got == [1, 4, 4, 16, 16, 64, 64, 64, 64]
+
+
+def test_profile_without_gpu_gives_all_cpu_plans():
+    from engine.bench.shapes import get_shape
+    from engine.sharding.profile import sim_profile_dict
+
+    data = sim_profile_dict()
+    data.update(device="cpu", gpu=None, link=None)
+    planner = Planner(ModelSpec.from_config(get_shape("smollm2-135m")), ProfileDatabase(data), tiers=(1, 16))
+    ps = planner.plan("64GiB", kv_tokens=1024)
+    assert all(set(p.placement.values()) == {Placement.CPU} and p.vram.total == 0 for p in ps.plans)
+    assert all(p.predicted_ms > 0 for p in ps.plans)

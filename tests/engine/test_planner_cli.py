@@ -1,0 +1,59 @@
+"""`python -m engine plan` and `python -m engine profile` on the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.__main__ import main
+from engine.bench.shapes import SHAPES
+from engine.sharding.plan import PLAN_KINDS
+from engine.sharding.spec import ModelSpec
+
+PLACEMENTS = {"resident", "streamed", "cpu"}
+
+
+def test_plan_json_matches_the_plan_report_schema(capsys):
+    assert main(["plan", "--model", "llama3-8b", "--budget", "4GiB", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["budget"] == 4 << 30
+    names = [s.name for s in ModelSpec.from_config(SHAPES["llama3-8b"]).sublayers]
+    assert [t["tokens"] for t in rep["tiers"]] == [1, 4, 16, 64, 256, 1024, 4096]
+    for tier in rep["tiers"]:
+        assert tier["plan"] in PLAN_KINDS
+        assert isinstance(tier["predicted_ms"], float) and tier["predicted_ms"] > 0
+        v = tier["vram"]
+        assert set(v) == {"weights", "kv", "slots", "scratch", "total"}
+        assert all(isinstance(x, int) for x in v.values())
+        assert v["total"] == v["weights"] + v["kv"] + v["slots"] + v["scratch"] <= rep["budget"]
+        assert list(tier["placement"]) == names and set(tier["placement"].values()) <= PLACEMENTS
+        attn = {k: p != "cpu" for k, p in tier["placement"].items() if k.endswith(".attn")}
+        assert attn == {k: p != "cpu" for k, p in rep["tiers"][0]["placement"].items() if k.endswith(".attn")}
+
+
+def test_plan_table(capsys):
+    argv = ["plan", "--model", "qwen3-8b", "--budget", "6GiB", "--tiers", "1,256", "--kv-tokens", "8192"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "qwen3-8b" in out and "ms/step" in out and "tokens/s" in out
+    lines = [ln for ln in out.splitlines() if ln.strip().startswith(("1 ", "256 "))]
+    assert len(lines) == 4        # a table row and a placement row per tier
+    assert any("| H:" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "no-such-model", "--budget", "1GiB"], "no-such-model"),
+    (["--model", "llama3-8b", "--budget", "four"], "four"),
+    (["--model", "llama3-8b", "--budget", "1GiB", "--tiers", "1,x"], "--tiers"),
+])
+def test_plan_bad_input_is_one_line(capsys, argv, message):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and message in err and "\n" not in err
+
+
+def test_profile_sim_shows_the_synthetic_profile(capsys):
+    assert main(["profile", "--device", "sim"]) == 0
+    out = capsys.readouterr().out
+    assert "notional client GPU" in out and "PCIe" in out

@@ -1,0 +1,58 @@
+"""Budget math: the planner's byte counts are the executor's."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+
+from engine.sharding import memory
+from engine.sharding.plan import Placement
+from engine.sharding.spec import ModelSpec
+from tests.engine.planner_cases import model_configs
+
+_TORCH = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def test_constants_match_the_executor():
+    from engine.sharding import kvcache, weights
+
+    assert memory.TENSOR_ALIGN == weights._ALIGN
+    assert memory.KV_BLOCK == kvcache.BLOCK_SIZE
+
+
+@settings(max_examples=15, deadline=None)
+@given(cfg=model_configs())
+def test_sublayer_bytes_are_the_packed_buffer_sizes(cfg):
+    from engine.config import weight_names
+    from engine.sharding.weights import SubLayerWeights
+
+    spec = ModelSpec.from_config(cfg)
+    shapes = memory.tensor_shapes(cfg)
+    sizes = memory.sublayer_bytes(spec)
+    for sub, names in weight_names(cfg).items():
+        if sub in ("embed", "head") and cfg.vocab_size * cfg.hidden_size > 1 << 22:
+            continue   # skip allocating big vocabularies; the arithmetic is the same
+        tensors = {n: torch.empty(shapes[n], dtype=_TORCH[cfg.dtype]) for n in names}
+        assert SubLayerWeights(sub, tensors, pin=False).nbytes == sizes[sub]
+
+
+@settings(max_examples=25, deadline=None)
+@given(cfg=model_configs())
+def test_breakdown_parts(cfg):
+    spec = ModelSpec.from_config(cfg)
+    sizes = memory.sublayer_bytes(spec)
+    names = [s.name for s in spec.sublayers]
+    cpu = dict.fromkeys(names, Placement.CPU)
+    assert memory.vram_breakdown(spec, cpu, 64, 4096, 2).total == 0
+    pl = dict(cpu)
+    pl["layers.0.attn"] = Placement.RESIDENT
+    pl["layers.0.ffn"] = Placement.STREAMED
+    pl["head"] = Placement.STREAMED
+    v = memory.vram_breakdown(spec, pl, 16, 100, 2)
+    assert v.weights == sizes["layers.0.attn"]
+    assert v.slots == 2 * max(sizes["layers.0.ffn"], sizes["head"])
+    assert v.kv == 112 * spec.sublayers[1].kv_bytes_per_token          # 100 tokens -> 7 blocks of 16
+    assert v.scratch == memory.scratch_bytes(spec, 16)
+    assert memory.vram_breakdown(spec, pl, 16, 100, 1).slots == max(sizes["layers.0.ffn"], sizes["head"])
+    scratch = [memory.scratch_bytes(spec, t) for t in (1, 4, 16, 64, 256, 1024, 4096)]
+    assert scratch == sorted(scratch) and scratch[0] > 0

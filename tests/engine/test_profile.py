@@ -1,0 +1,137 @@
+"""The profile database: synthetic sim profile, queries, the file, fingerprints, and a tiny real measure."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from engine.sharding import measure, profile_store
+from engine.sharding import profile as profile_mod
+from engine.sharding.profile import ProfileDatabase, sim_profile_dict
+
+
+def test_sim_profile_is_synthetic_and_deterministic(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_DATA_DIR", str(tmp_path))
+    a = ProfileDatabase.for_device("sim")
+    assert a.to_dict() == sim_profile_dict() == ProfileDatabase.sim().to_dict()
+    assert a.has_gpu and a.link["h2d_gbps"] == 25.0
+    assert a.gemm_gflops("gpu", "bfloat16", "ffn", 4096) == pytest.approx(20000.0)
+    assert a.gemm_gflops("gpu", "bfloat16", "ffn", 1) == pytest.approx(400.0)   # 400 GB/s of bf16 weights
+    assert not list(tmp_path.iterdir())                                             # nothing written
+
+
+def test_tables_interpolate_and_never_get_cheaper_with_more_tokens():
+    data = sim_profile_dict()
+    data["cpu"]["gemm"]["bfloat16"]["ffn"] = [[1, 10.0], [16, 500.0], [64, 100.0], [256, 2000.0]]
+    prof = ProfileDatabase(data)
+    assert prof.gemm_gflops("cpu", "bfloat16", "ffn", 1) == pytest.approx(10.0)
+    times = [prof.gemm_ms("cpu", "bfloat16", "ffn", 1e9, n) for n in range(1, 600)]
+    assert all(b >= a * (1 - 1e-12) for a, b in itertools.pairwise(times))
+    flat = prof.gemm_gflops("cpu", "bfloat16", "ffn", 256)
+    assert prof.gemm_gflops("cpu", "bfloat16", "ffn", 10**6) == flat
+
+
+def test_missing_dtype_falls_back():
+    data = sim_profile_dict()
+    del data["gpu"]["gemm"]["float16"]
+    prof = ProfileDatabase(data)
+    assert prof.gemm_gflops("gpu", "float16", "attn", 16) == prof.gemm_gflops("gpu", "bfloat16", "attn", 16)
+
+
+def _fake_profile(device: str) -> dict:
+    data = sim_profile_dict()
+    data.update(device=device, quick=True, created="test", gpu=None, link=None)
+    return data
+
+
+@pytest.fixture
+def fake_measure(monkeypatch):
+    calls = []
+
+    def fake(device, quick=True, progress=None):
+        calls.append((device, quick))
+        data = _fake_profile(device)
+        data["quick"] = quick
+        return data
+
+    monkeypatch.setattr(profile_mod, "measure_profile", fake)
+    return calls
+
+
+def test_cached_until_the_fingerprint_changes(tmp_path, monkeypatch, fake_measure):
+    db = tmp_path / "profile.json"
+    fp = {"schema": 1, "device": "cpu", "cpu": "A", "torch": "2.13"}
+    monkeypatch.setattr(profile_store, "fingerprint", lambda device: dict(fp))
+    ProfileDatabase.for_device("cpu", path=db)
+    ProfileDatabase.for_device("cpu", path=db)
+    assert len(fake_measure) == 1                       # second call: from the file
+    fp["torch"] = "2.14"                                 # an upgrade: the old profile no longer applies
+    ProfileDatabase.for_device("cpu", path=db)
+    assert len(fake_measure) == 2
+    ProfileDatabase.for_device("cpu", path=db, remeasure=True)
+    assert len(fake_measure) == 3
+    ProfileDatabase.for_device("cpu", path=db, quick=False)   # a quick entry does not satisfy a full request
+    assert fake_measure[-1] == ("cpu", False)
+    ProfileDatabase.for_device("cpu", path=db, quick=True)    # a full entry satisfies a quick one
+    assert len(fake_measure) == 4
+
+
+def test_file_round_trips_and_stays_small(tmp_path):
+    db = tmp_path / "sub" / "profile.json"
+    entries = {}
+    for i in range(profile_store.MAX_ENTRIES + 5):
+        data = _fake_profile("cpu")
+        data["fingerprint"] = {"n": i}
+        key = profile_store.fingerprint_key(data["fingerprint"])
+        profile_store.save_profile(db, key, data)
+        entries[key] = data
+    loaded = profile_store.load_db(db)["profiles"]
+    assert len(loaded) == profile_store.MAX_ENTRIES
+    newest = profile_store.fingerprint_key({"n": profile_store.MAX_ENTRIES + 4})
+    assert loaded[newest] == entries[newest]
+    assert ProfileDatabase(loaded[newest]).to_dict() == entries[newest]
+    assert db.stat().st_size < 1 << 20
+    assert not [p for p in db.parent.iterdir() if ".tmp" in p.name]
+
+
+def test_corrupt_file_is_moved_aside_and_remeasured(tmp_path, monkeypatch, fake_measure):
+    db = tmp_path / "profile.json"
+    db.write_text("{not json")
+    monkeypatch.setattr(profile_store, "fingerprint", lambda device: {"device": device})
+    ProfileDatabase.for_device("cpu", path=db)
+    assert len(fake_measure) == 1
+    assert (tmp_path / "profile.json.corrupt").read_text() == "{not json"
+    assert json.loads(db.read_text())["schema"] == profile_store.SCHEMA
+
+
+def test_real_fingerprint_on_this_machine():
+    fp = profile_store.fingerprint("cpu")
+    assert fp["device"] == "cpu" and fp["cpu_threads"] and fp["torch"]
+    assert profile_store.fingerprint_key(fp) == profile_store.fingerprint_key(dict(fp))
+
+
+def test_tiny_measure(tmp_path, monkeypatch):
+    tiny = measure.Sizes(hidden=64, ffn=128, vocab=256, heads=2, head_dim=16, ctx=64, tokens=(1, 4, 16),
+                         min_time_s=0.001, rotate_bytes=256 * 1024)
+    monkeypatch.setattr(measure, "CPU_QUICK", tiny)
+    seen = []
+    data = profile_mod.measure_profile("cpu", quick=True, progress=lambda f, m: seen.append(f))
+    assert data["gpu"] is None and data["link"] is None
+    assert set(data["cpu"]["gemm"]) == set(measure.DTYPES)
+    assert all(len(rows) == 3 for cls in data["cpu"]["gemm"].values() for rows in cls.values())
+    assert data["cpu"]["threads_gbps"] and data["cpu"]["op_overhead_us"] > 0
+    assert seen == sorted(seen) and seen[-1] == 1.0
+    prof = ProfileDatabase(data)
+    assert prof.gemm_ms("cpu", "bfloat16", "ffn", 1e6, 8) > 0
+    assert "cpu" in "\n".join(prof.describe())
+    db = tmp_path / "p.json"
+    profile_store.save_profile(db, "k", data)
+    assert profile_store.load_db(db)["profiles"]["k"] == data
+
+
+def test_data_dir_override(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("SLIPSTREAM_PROFILE_DB", raising=False)
+    assert profile_store.db_path() == tmp_path / "profile.json"
