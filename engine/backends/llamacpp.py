@@ -82,6 +82,8 @@ class LlamaCppEngine(Engine):
         self._llm, self._batch, self._n_batch = llm, batch, n_batch
         self._n_vocab = int(llm.n_vocab())
         self._n_gpu_layers = n_gpu_layers
+        if self.tokenizer is not None:
+            self.tokenizer.rebind(llm)
         self._cached = []
         return llm
 
@@ -90,6 +92,8 @@ class LlamaCppEngine(Engine):
             self._lc.llama_batch_free(self._batch)
             self._batch = None
         if self._llm is not None:
+            if self.tokenizer is not None:
+                self.tokenizer.rebind(None)
             self._llm.close()
             self._llm = None
         self._cached = []
@@ -130,8 +134,13 @@ class LlamaCppEngine(Engine):
     def _decode(self, tokens: list[int], start: int, all_logits: bool) -> np.ndarray:
         """Evaluate `tokens` at positions start.. (after the cached prefix); return logits rows
         [len(tokens), vocab] when all_logits, else the last row [vocab]."""
+        if self._llm is None:
+            raise BadInputError(f"{self._path.name}: the engine is closed")
         lc, ctx, b = self._lc, self._llm.ctx, self._batch
-        lc.llama_memory_seq_rm(lc.llama_get_memory(ctx), 0, start, -1)
+        mem = lc.llama_get_memory(ctx)
+        if not lc.llama_memory_seq_rm(mem, 0, start, -1):   # caches that cannot drop a suffix (recurrent)
+            lc.llama_memory_clear(mem, True)
+            tokens, start = self._cached[:start] + list(tokens), 0
         del self._cached[start:]
         rows = []
         for i in range(0, len(tokens), self._n_batch):
@@ -355,6 +364,15 @@ class LlamaCppTokenizer:
         self.bos_token = self._text(bos)
         self.eos_token = self._text(eos)
 
+    def rebind(self, llm) -> None:
+        """Follow a reopened model (its vocabulary lives in the model), or None once it is closed."""
+        self._vocab = None if llm is None else self._lc.llama_model_get_vocab(llm.model)
+
+    def _v(self):
+        if self._vocab is None:
+            raise BadInputError("the llama.cpp model is closed")
+        return self._vocab
+
     def _text(self, token: int) -> str:
         return self._lc.llama_vocab_get_text(self._vocab, token).decode("utf-8", "replace") if token >= 0 else ""
 
@@ -363,7 +381,7 @@ class LlamaCppTokenizer:
         data = text.encode("utf-8")
         cap = len(data) + 8
         buf = (self._lc.llama_token * cap)()
-        n = self._lc.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special_tokens, True)
+        n = self._lc.llama_tokenize(self._v(), data, len(data), buf, cap, add_special_tokens, True)
         if n < 0:
             raise BadInputError(f"text of {len(data)} bytes could not be tokenized (llama.cpp code {n})")
         return list(buf[:n])
@@ -379,7 +397,7 @@ class LlamaCppTokenizer:
         size = 8 * len(ids) + 16
         while True:
             out = ctypes.create_string_buffer(size)
-            n = self._lc.llama_detokenize(self._vocab, arr, len(ids), out, size, False,
+            n = self._lc.llama_detokenize(self._v(), arr, len(ids), out, size, False,
                                           not skip_special_tokens)
             if n >= 0:
                 return out.raw[:n].decode("utf-8", "replace")

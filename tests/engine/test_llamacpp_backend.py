@@ -201,6 +201,11 @@ def test_open_model_selects_llamacpp(path):
         assert e.backend == "llamacpp" and e.context_length == 256
         with pytest.raises(ContextLengthError):
             e.generate(" x" * 300, max_new_tokens=1)
+    with pytest.raises(BadInputError, match="closed"):       # no crash on a freed llama.cpp model
+        e.generate("hello", max_new_tokens=1)
+    with pytest.raises(BadInputError, match="closed"):
+        e.score([1, 2])
+    e.close()                                               # twice is fine
 
 
 def test_devices_the_backend_cannot_use(path):
