@@ -271,13 +271,13 @@ def _check_device(device: str, gpu: bool) -> int | None:
 
 
 def open_llama(path: Path, **kwargs):
-    """`llama_cpp.Llama(path, **kwargs)` made safe on this machine (see `_extra_buffers_safe`), with
+    """`llama_cpp.Llama(path, **kwargs)` made safe on this machine (see `extra_buffers_safe`), with
     load failures as one-line `ModelLoadError`s. The tests open their llama.cpp references with it."""
     lc = import_llama_cpp()
     path = Path(path)
     _check_magic(path)
     try:
-        with _model_params(lc, use_extra_bufts=_extra_buffers_safe(lc)):
+        with _model_params(lc, use_extra_bufts=extra_buffers_safe(lc)):
             return lc.Llama(str(path), **kwargs)
     except (ValueError, RuntimeError, OSError) as exc:
         if "context" in str(exc).lower():
@@ -308,7 +308,7 @@ def _model_params(lc, **fields):
             low.llama_model_default_params = default
 
 
-def _extra_buffers_safe(lc) -> bool:
+def extra_buffers_safe(lc) -> bool:
     """Whether ggml's extra CPU buffer types (AMX tiles, repacked weights) may be used.
 
     On CPUs that advertise AMX, ggml's AMX kernels die with an illegal instruction on some virtual

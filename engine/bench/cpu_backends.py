@@ -21,6 +21,7 @@ from pathlib import Path
 PROMPT_LENGTHS = (128, 512)
 NEW_TOKENS = 128
 BACKENDS = ("torch", "llamacpp")
+_SIMD_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16")
 _OPENERS = ("Amber", "Basil", "Cedar", "Delta", "Ember", "Flint", "Grove", "Harbor", "Iris", "Juniper")
 _TEXT = (
     "The lighthouse keeper wrote in the log every evening: the direction of the wind, the ships that "
@@ -58,7 +59,9 @@ def make_prompt(tokenizer, n_tokens: int, run: int) -> str:
 
 def measure(eng, n_prompt: int, runs: int, new_tokens: int) -> Row:
     samples = []
-    list(eng.generate("Warm up.", max_new_tokens=4))
+    # Warm up at this length (first-call allocations, kernel selection); its prompt differs from every
+    # measured one from the first token on, so it leaves nothing in a prefix cache to reuse.
+    list(eng.generate("Warm up: " + make_prompt(eng.tokenizer, n_prompt, 0), max_new_tokens=4))
     for r in range(runs):
         prompt = make_prompt(eng.tokenizer, n_prompt, r)
         for _ in eng.generate(prompt, max_new_tokens=new_tokens, temperature=0.0):
@@ -90,12 +93,13 @@ def machine_info() -> dict:
     import psutil
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    cpu, flags = platform.processor() or platform.machine(), []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not flags:
+                flags = [f for f in line.split(":", 1)[1].split() if f in _SIMD_FLAGS]
     except OSError:
         pass
     try:
@@ -104,9 +108,21 @@ def machine_info() -> dict:
         llama_version = llama_cpp.__version__
     except ImportError:
         llama_version = None
-    return {"cpu": cpu, "logical_cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
+    return {"cpu": cpu, "simd": flags, "logical_cores": os.cpu_count(), "physical_cores": psutil.cpu_count(logical=False),
             "memory_bytes": psutil.virtual_memory().total, "os": platform.platform(),
-            "python": platform.python_version(), "torch": torch.__version__, "llama_cpp_python": llama_version}
+            "python": platform.python_version(), "torch": torch.__version__, "llama_cpp_python": llama_version,
+            "load_average_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def _llamacpp_extra_buffers() -> bool | None:
+    """Whether the llama.cpp backend used ggml's AMX/repacked weight buffers on this machine."""
+    try:
+        import llama_cpp
+
+        from engine.backends.llamacpp import extra_buffers_safe
+    except ImportError:
+        return None
+    return extra_buffers_safe(llama_cpp)
 
 
 def markdown_table(rows: list[Row]) -> str:
@@ -125,6 +141,7 @@ def run(args) -> int:
     threads = args.threads or os.cpu_count() or 1
     path = resolve_source(args.model)
     backends = [b for b in (args.backends or ",".join(BACKENDS)).split(",") if b]
+    machine = machine_info()      # before the run: the load average says how busy the machine was
     rows: list[Row] = []
     for backend in backends:
         eng = open_engine(backend, args.model, threads)
@@ -137,10 +154,10 @@ def run(args) -> int:
     table = markdown_table(rows)
     print(table)
     report = {"command": command_line(args), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "machine": machine_info(), "model": {"file": path.name, "path": str(path)},
+              "machine": machine, "model": {"file": path.name, "path": str(path)},
               "settings": {"threads": threads, "runs": args.runs, "new_tokens": args.new_tokens,
                            "prompt_lengths": list(PROMPT_LENGTHS), "sampling": "greedy",
-                           "statistic": "median"},
+                           "statistic": "median", "llamacpp_extra_buffers": _llamacpp_extra_buffers()},
               "rows": [asdict(r) for r in rows]}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -168,7 +185,9 @@ def markdown_report(report: dict, table: str) -> str:
             f"`{report['command']}` on {report['date']}\n\n"
             f"Machine: {m['cpu']}, {m['logical_cores']} logical / {m['physical_cores']} physical cores, "
             f"{m['memory_bytes'] / 2**30:.1f} GiB, {m['os']}; torch {m['torch']}, "
-            f"llama-cpp-python {m['llama_cpp_python']}.\n\n"
+            f"llama-cpp-python {m['llama_cpp_python']}. SIMD: {', '.join(m['simd']) or 'n/a'}. "
+            f"Load average when it started: {m['load_average_1m_at_start']}. llama.cpp extra (AMX/repack) "
+            f"weight buffers: {s['llamacpp_extra_buffers']}.\n\n"
             f"Each row: {s['new_tokens']} new tokens, greedy, median of {s['runs']} runs, "
             f"{s['threads']} threads. Prefill tok/s = prompt tokens / time to first token; decode tok/s "
             "counts the tokens after the first.\n\n" + table + "\n")
