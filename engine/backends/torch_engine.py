@@ -25,6 +25,7 @@ from engine.units import parse_bytes
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CONTEXT = 8192
 SIM_DEFAULT_BUDGET = 1 << 40     # "sim" without a budget: a notional GPU with room for everything
+INITIAL_KV_TOKENS = 2048
 
 
 def resolve_device(device: str) -> str:
@@ -61,7 +62,9 @@ class TorchEngine(Engine):
         self.dtype = _DTYPES[cfg.dtype]
         self.context_length = min(n_ctx or min(cfg.max_position_embeddings, DEFAULT_CONTEXT),
                                   cfg.max_position_embeddings)
-        self.kv_tokens = -(-self.context_length // BLOCK_SIZE) * BLOCK_SIZE
+        # KV capacity planned for: starts small (short chats get better plans) and grows with the
+        # conversation, each growth a re-plan, up to the context length.
+        self.kv_tokens = self._kv_capacity(min(self.context_length, INITIAL_KV_TOKENS))
         self.spec = ModelSpec.from_config(cfg)
         if self.device == "cpu":
             self.accel = None
@@ -86,6 +89,14 @@ class TorchEngine(Engine):
         self._set_budget_now(self._initial_budget(vram_budget), "open")
 
     # ---- budget and plans ----------------------------------------------------------------------
+    def _kv_capacity(self, tokens: int) -> int:
+        return min(-(-tokens // BLOCK_SIZE) * BLOCK_SIZE, -(-self.context_length // BLOCK_SIZE) * BLOCK_SIZE)
+
+    def _ensure_kv_capacity(self, tokens: int) -> None:
+        if tokens > self.kv_tokens:
+            self.kv_tokens = self._kv_capacity(max(tokens, 2 * self.kv_tokens))
+            self._set_budget_now(self.budget, f"context grew to {tokens} tokens")
+
     def _initial_budget(self, vram_budget) -> int:
         if vram_budget is not None:
             return parse_bytes(vram_budget, "vram_budget")
@@ -182,6 +193,7 @@ class TorchEngine(Engine):
         """One forward step under the plan of its tier, re-planning on out-of-memory and retrying."""
         for attempt in range(8):
             self._apply_pending_budget()
+            self._ensure_kv_capacity(seq.length + len(ids))
             plan = self.planset.for_tokens(len(ids))
             length = seq.length
             try:
@@ -239,7 +251,10 @@ class TorchEngine(Engine):
         if bad:
             raise BadInputError(f"score: token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
         with self._lock:
-            seq = Sequence()
+            # Scoring recomputes from scratch in the session's own blocks (the conversation's cached
+            # prefix is dropped; the next turn recomputes it), so the KV cache never outgrows its plan.
+            seq = self._session
+            self.executor.kv.release(seq)
             try:
                 return self._run(seq, ids, True)
             finally:

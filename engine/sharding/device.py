@@ -22,6 +22,11 @@ TAGS = ("weights", "kv", "slots", "scratch")
 _POLL_S = 0.0002
 
 
+def _copy_inference(dst: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.inference_mode():   # buffers made inside inference mode may only be written inside it
+        dst.copy_(src)
+
+
 class CopyHandle:
     """A weight copy in flight; `wait_compute()` orders compute after it, `done()` asks without waiting."""
 
@@ -124,7 +129,7 @@ class Accelerator:
                 ev = torch.cuda.Event()
                 ev.record(self._copy_stream)
             return CopyHandle(self, ev)
-        return CopyHandle(self, self._pool.submit(dst.copy_, src))
+        return CopyHandle(self, self._pool.submit(_copy_inference, dst, src))
 
     def compute_event(self):
         """An event marking the compute issued so far (None on sim, where compute is synchronous)."""

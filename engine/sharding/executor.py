@@ -49,6 +49,7 @@ class Executor:
         self.copied_bytes = 0                       # weight bytes streamed so far (stats)
 
     # ---- memory state --------------------------------------------------------------------------
+    @torch.inference_mode()
     def activate(self, plan: Plan, kv_blocks: int | None = None) -> None:
         """Bring resident weights, slots, KV placement and scratch booking to `plan`'s state."""
         if self.accel is None:
@@ -141,6 +142,7 @@ class Executor:
         return self.store.sublayers[name].host_views
 
     # ---- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
     def forward(self, seq: Sequence, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Run `ids` (new tokens of `seq`) through the model; return float32 CPU logits for the last
         token, or for every new token with `all_logits`. The KV cache grows by len(ids) tokens."""

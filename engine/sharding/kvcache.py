@@ -65,25 +65,29 @@ class PagedKVCache:
         self.n_blocks = n_blocks
 
     def _resize(self, layer: int, pool: LayerPool, n_blocks: int, on_gpu: bool) -> None:
-        old_k, old_v, old_gpu = pool.k, pool.v, pool.on_gpu
+        """Reallocate one layer's pool with `n_blocks` blocks on the GPU or host, keeping its contents.
+        The booking changes by the difference only, so a pool that grows in place never double-books."""
+        old_k, old_v = pool.k, pool.v
         keep = min(pool.capacity, n_blocks)
         device = self.accel.device if on_gpu else torch.device("cpu")
         shape = (n_blocks, BLOCK_SIZE) + pool.tail
-        if on_gpu:
-            self.accel.book(n_blocks * pool.block_bytes(), "kv", f"KV cache of layer {layer}")
+        new_bytes = n_blocks * pool.block_bytes() if on_gpu else 0
+        old_bytes = pool.capacity * pool.block_bytes() if pool.on_gpu else 0
+        if new_bytes > old_bytes:
+            self.accel.book(new_bytes - old_bytes, "kv", f"KV cache of layer {layer}")
         try:
             k = torch.empty(shape, dtype=self.dtype, device=device)
             v = torch.empty(shape, dtype=self.dtype, device=device)
         except torch.OutOfMemoryError:
-            if on_gpu:
-                self.accel.unbook(n_blocks * pool.block_bytes(), "kv")
+            if new_bytes > old_bytes:
+                self.accel.unbook(new_bytes - old_bytes, "kv")
             raise
         for b in range(keep):  # block by block, so a move never needs a second whole copy in flight
             k[b].copy_(old_k[b])
             v[b].copy_(old_v[b])
         pool.k, pool.v, pool.on_gpu = k, v, on_gpu
-        if old_gpu and old_k is not None:
-            self.accel.unbook(old_k.shape[0] * pool.block_bytes(), "kv")
+        if old_bytes > new_bytes:
+            self.accel.unbook(old_bytes - new_bytes, "kv")
 
     def reserve(self, seq: Sequence, n_new: int) -> None:
         """Give `seq` blocks for `n_new` more tokens."""
@@ -91,7 +95,7 @@ class PagedKVCache:
         if need <= 0:
             return
         if len(self.free_blocks) < need:
-            self._grow(max(self.n_blocks * 2, self.n_blocks + need, 16))
+            self._grow(self.n_blocks + need - len(self.free_blocks))
         # Lowest ids first keeps a lone sequence's blocks contiguous (reads then need no gather).
         self.free_blocks.sort()
         seq.block_table.extend(self.free_blocks[:need])
