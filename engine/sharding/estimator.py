@@ -4,20 +4,8 @@ Per sub-layer costs come from the profile (`StepCosts`): matmuls from the measur
 attention over the context from KV bytes read and FLOPs, a per-kernel overhead, activation moves between
 CPU and GPU (bytes over PCIe plus a fixed latency) wherever consecutive sub-layers change sides.
 
-`simulate` then replays the executor's schedule for many placements at once (numpy, one row each):
-- sub-layers run in order (embed, layers.0.attn, layers.0.ffn, ..., head), each starting when the previous
-  one has finished, its input has crossed over if the side changed, and (if streamed) its weights arrived
-  (a streamed sub-layer also costs the host two kernel launches' worth of work for its copy and wait);
-- the copy engine copies streamed sub-layers in order, one at a time, each into a free slot; a slot frees
-  when the sub-layer that used it (n_slots streamed sub-layers earlier) finishes; with no more streamed
-  sub-layers than slots, each keeps its slot and is copied once, not every step;
-- prefetch runs on across the step boundary (the executor loads the next step's first streamed sub-layers
-  as soon as slots free), so two steps are replayed and the second one, the steady state, is reported;
-- CPU sub-layers run at the profile's "CPU while copying" rate while a copy is in flight (copies that can
-  be in flight during a CPU sub-layer are exactly those whose slots were already free when it started, so
-  they form one busy interval from its start), and copies run at the "copy beside CPU work" bandwidth in
-  plans that mix streamed and CPU sub-layers;
-- the step ends with the output (logits) back on the host.
+`engine.sharding.pipeline` then replays the executor's schedule of a step over those costs, for many
+placements at once, and reports the steady-state step time.
 """
 
 from __future__ import annotations
@@ -27,11 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.sharding.memory import sublayer_bytes
+from engine.sharding.pipeline import CPU, RES, STR, Pipeline
 from engine.sharding.plan import Placement
 from engine.sharding.profile import ProfileDatabase
 from engine.sharding.spec import DTYPE_BYTES, ModelSpec
 
-CPU, RES, STR = 0, 1, 2
+__all__ = ["CPU", "RES", "STR", "Estimator", "StepCosts", "step_costs"]
 CODE = {Placement.CPU: CPU, Placement.RESIDENT: RES, Placement.STREAMED: STR}
 OPS = {"embed": 1, "attn": 14, "ffn": 7, "head": 3}   # kernels per sub-layer (per-op overhead)
 
@@ -94,85 +83,6 @@ def copy_costs(spec: ModelSpec, prof: ProfileDatabase) -> tuple[np.ndarray, np.n
     return np.array([prof.copy_ms(b) for b in nb]), np.array([prof.copy_ms(b, busy=True) for b in nb])
 
 
-def simulate(place: np.ndarray, costs: StepCosts, copy_alone: np.ndarray, copy_busy: np.ndarray,
-             compute_mask: np.ndarray, rho: float, n_slots: int) -> np.ndarray:
-    """Steady-state milliseconds per step of each row of `place` ([B, S] codes CPU/RES/STR) under one set
-    of step costs. `compute_mask` marks sub-layers whose CPU placement is real compute (not the embedding
-    gather). Arrays run [sub-layer, row] so each sub-layer touches contiguous data."""
-    pt = np.ascontiguousarray(np.asarray(place, dtype=np.int8).T)          # [S, B]
-    S, B = pt.shape
-    n_slots = max(int(n_slots), 1)
-    on_gpu = pt != CPU
-    is_str = pt == STR
-    n_str = is_str.sum(0)
-    ordn = np.cumsum(is_str, 0, dtype=np.int64) - 1
-    smax = max(int(n_str.max()) if B else 0, 1)
-    sidx = np.zeros((smax, B), dtype=np.int64)
-    r, c = np.nonzero(is_str)
-    sidx[ordn[r, c], c] = r
-    mixed = is_str.any(0) & ((pt == CPU) & compute_mask[:, None]).any(0)
-    ctab = np.where(mixed[None, :], copy_busy[sidx], copy_alone[sidx]).reshape(-1)   # flat [smax, B]
-    del sidx
-    cycles = n_str > n_slots
-    n_copies = np.where(cycles, 2 * n_str + n_slots, n_str)
-    safe_nstr = np.maximum(n_str, 1)
-    cend = np.zeros((2 * smax + n_slots) * B)       # flat [Q, B]: end of copy q of row b at q * B + b
-    e_str = np.zeros(2 * smax * B)                  # flat [2 smax, B]: compute end of streamed ordinal g
-    qs = np.zeros(B, dtype=np.int64)                # copies scheduled so far
-    done = np.zeros(B, dtype=np.int64)              # streamed sub-layers computed so far
-    last = np.zeros(B)                              # end of the last scheduled copy
-    str_rows = [np.nonzero(is_str[i])[0] for i in range(S)]
-    uniform = [(bool(on_gpu[i].all()), not bool(on_gpu[i].any())) for i in range(S)]
-    w_busy = 1.0 - rho
-
-    def schedule() -> None:
-        while True:
-            b = np.nonzero(qs < np.minimum(done + n_slots, n_copies))[0]
-            if not len(b):
-                return
-            q = qs[b]
-            prev = np.where(q > 0, cend[np.maximum(q - 1, 0) * B + b], 0.0)
-            dep = np.where(q >= n_slots, e_str[np.maximum(q - n_slots, 0) * B + b], 0.0)
-            end = np.maximum(prev, dep) + ctab[(q % safe_nstr[b]) * B + b]
-            cend[q * B + b] = end
-            last[b] = end
-            qs[b] += 1
-
-    t = np.zeros(B)
-    prev_gpu = np.zeros(B, dtype=bool)
-    ends = []
-    for step in (0, 1):
-        if step == 0 and len(str_rows) and any(len(x) for x in str_rows):
-            schedule()
-        for i in range(S):
-            g = on_gpu[i]
-            all_gpu, all_cpu = uniform[i]
-            changed = g ^ prev_gpu
-            ready = t + (changed & g) * costs.to_gpu_ms[i] + (changed & ~g) * costs.to_cpu_ms
-            rows = str_rows[i]
-            if len(rows):
-                gord = step * n_str[rows] + ordn[i, rows]
-                q = np.where(cycles[rows], gord, ordn[i, rows])
-                ready[rows] = np.maximum(ready[rows], cend[q * B + rows])
-            if all_gpu:
-                e = ready + costs.gpu_ms[i]
-            else:
-                w = costs.cpu_ms[i]
-                d_cpu = np.minimum(w / rho, w + w_busy * np.maximum(last - ready, 0.0)) if rho < 1 else w
-                e = ready + d_cpu if all_cpu else ready + np.where(g, costs.gpu_ms[i], d_cpu)
-            if len(rows):
-                e[rows] += costs.stream_ms
-                e_str[gord * B + rows] = e[rows]
-                done[rows] += 1
-                schedule()
-            t = e
-            prev_gpu = g
-        t = t + prev_gpu * costs.out_ms
-        prev_gpu = np.zeros(B, dtype=bool)
-        ends.append(t.copy())
-    return ends[1] - ends[0]
-
-
 class Estimator:
     """Prices placements of one model on one profile; caches the per-(tokens, context) cost tables."""
 
@@ -193,10 +103,13 @@ class Estimator:
     def encode(self, placement: dict[str, Placement]) -> np.ndarray:
         return np.array([CODE[Placement(placement[n])] for n in self.names], dtype=np.int8)
 
+    def pipeline(self, place: np.ndarray, n_slots: int) -> Pipeline:
+        """The schedule structure of many placements ([B, S] codes), to run under several step costs."""
+        return Pipeline(place, self.copy_alone, self.copy_busy, self.compute_mask, n_slots)
+
     def simulate(self, place: np.ndarray, n_tokens: int, ctx_len: int, n_slots: int) -> np.ndarray:
         """Milliseconds per steady-state step of every row of `place` ([B, S] codes)."""
-        return simulate(place, self.costs(n_tokens, ctx_len), self.copy_alone, self.copy_busy,
-                        self.compute_mask, self.rho, n_slots)
+        return self.pipeline(place, n_slots).run(self.costs(n_tokens, ctx_len), self.rho)
 
     def estimate(self, placement: dict[str, Placement], n_tokens: int, ctx_len: int,
                  n_slots: int = 2) -> float:

@@ -1,24 +1,26 @@
 """The planner: for a VRAM budget, one plan per token tier, chosen by the estimator from a fixed family.
 
 The family (`Family`) is every placement described by four numbers, independent of the budget:
-- k, how many layers run attention on the GPU (the first k; their KV cache lives there). One k serves all
-  tiers of a PlanSet: the KV cache lives where attention runs, so attention never changes sides between
-  tiers;
+- k, how many layers run attention on the GPU (the first k; their KV cache lives there);
 - r, how long a prefix of the priority order is resident. The order is: GPU attention (layer order), the
-  output head, the FFNs front to back (so whole layers become resident), the embedding last. Every tier's
-  resident set is a prefix of the same order, so switching tiers only adds or drops a tail;
+  output head, the FFNs front to back (so whole layers become resident);
 - m, how many of the non-resident FFNs stream into slots (spread evenly, so each copy overlaps the CPU
   work between two streamed FFNs); the other FFNs run on the CPU;
 - the head, when not resident: on the CPU or streamed.
 GPU attention that is not resident streams. The embedding (a gather of a few rows) stays in host memory,
-except in forced gpu_only plans. The three kinds: `gpu_only` (nothing computed on the CPU: non-resident
-sub-layers stream), `static` (nothing streamed: resident by priority, the rest on the CPU) and `dynamic`
-(both CPU-computed and streamed sub-layers). A forced kind picks among that kind's members only.
+except in forced gpu_only plans, which put every sub-layer on the GPU. Kinds, by placement (the embedding
+gather does not count as CPU compute): `gpu_only` computes nothing on the CPU (non-resident sub-layers
+stream), `static` streams nothing (resident by priority, the rest on the CPU), `dynamic` does both.
 
 Each member's VRAM (`engine.sharding.memory`) and predicted time per tier (`engine.sharding.estimator`)
-are computed once per KV capacity; a plan is then a lookup of the fastest member that fits. Because the
-family does not depend on the budget, more budget never predicts a slower plan for a tier (and never a
-slower PlanSet score), and budget 0 always has the all-CPU plan (0 bytes).
+are computed once per KV capacity (about half a second for an 8B model); a plan is then a lookup of the
+fastest member under the budget, per tier (about a millisecond). One k serves every tier of a PlanSet
+(the KV cache lives where attention runs, so attention never changes sides between tiers): the k whose
+plans minimise `score`, the predicted time of a reference workload (decode steps and one input per
+tier). Every tier's resident set is a prefix of the same order, so switching tiers adds or drops a tail.
+
+Because the family does not depend on the budget, more budget never predicts a slower plan for a tier
+within one k, never a worse PlanSet score, and budget 0 always has the all-CPU plan (0 bytes).
 """
 
 from __future__ import annotations
@@ -36,7 +38,18 @@ from engine.sharding.spec import ModelSpec
 from engine.units import format_bytes, parse_bytes
 
 _PLACEMENT = {CPU: Placement.CPU, RES: Placement.RESIDENT, STR: Placement.STREAMED}
-_M_STEPS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
+REFERENCE_DECODE = 256   # decode steps in the reference workload that `score` prices
+_M_STEPS = (0, 1, 2, 3, 4, 6, 8, 11, 16, 22, 32, 45, 64, 90, 128)   # streamed FFN counts tried
+
+
+def token_tiers(limit: int) -> tuple[int, ...]:
+    """The standard tiers (1, 4, 16, 64, 256, 1024, x4 ...) up to `limit`, which is always a tier."""
+    limit = max(int(limit), 1)
+    tiers, t = [], 1
+    while t < limit:
+        tiers.append(t)
+        t *= 4
+    return (*tiers, limit)
 
 
 def planning_context(tier: int, kv_tokens: int) -> int:
@@ -140,12 +153,13 @@ class _Front:
 
 
 def score(tier_ms: list[tuple[int, float]]) -> float:
-    """How a PlanSet is judged: the sum over tiers of milliseconds per token, where a tier may also run
-    as steps of a smaller tier (so each term is the best per-token time at or below that tier)."""
+    """How a PlanSet is judged: the predicted time of a reference workload, REFERENCE_DECODE steps of the
+    smallest tier (decoding a reply) plus one input of each larger tier's size, where an input may also
+    run as steps of a smaller tier (so its per-token time is the best at or below its tier)."""
     total, per_token = 0.0, math.inf
-    for tier, ms in tier_ms:
+    for i, (tier, ms) in enumerate(tier_ms):
         per_token = min(per_token, ms / tier)
-        total += per_token
+        total += REFERENCE_DECODE * ms if i == 0 else tier * per_token
     return total
 
 
@@ -187,7 +201,9 @@ class Planner:
             scratch = np.array([scratch_bytes(self.spec, t) for t in self.tiers], dtype=np.int64)
             fixed = fam.weights + fam.slots + fam.k * kv_layer
             vram = fixed[:, None] + fam.any_gpu[:, None] * scratch[None, :]
-            ms = np.stack([self.estimator.simulate(fam.place, t, planning_context(t, kv_tokens), self.n_slots)
+            est = self.estimator
+            pipe = est.pipeline(fam.place, self.n_slots)   # one schedule structure, priced per tier
+            ms = np.stack([pipe.run(est.costs(t, planning_context(t, kv_tokens)), est.rho)
                            for t in self.tiers], 1)
             ms = _round_significant(ms, 12)   # equal schedules compare equal despite rounding noise
             self._tables[kv_tokens] = (vram, ms)

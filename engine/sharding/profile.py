@@ -98,8 +98,14 @@ class ProfileDatabase:
         return self.data
 
     @classmethod
-    def sim(cls) -> ProfileDatabase:
-        return cls(sim_profile_dict())
+    def sim(cls, cpu: ProfileDatabase | None = None) -> ProfileDatabase:
+        """The synthetic "sim" profile; with `cpu`, that profile's measured CPU section replaces the
+        default CPU (plans then depend on this machine's CPU, so tests use the default)."""
+        data = sim_profile_dict()
+        if cpu is not None:
+            data["cpu"] = cpu.cpu
+            data["created"] = f"synthetic GPU, CPU measured {cpu.data.get('created', '?')}"
+        return cls(data)
 
     @classmethod
     def for_device(cls, device: str = "sim", quick: bool = True, progress: Progress | None = None,
@@ -108,6 +114,7 @@ class ProfileDatabase:
         device = normalize_device(device)
         if device == "sim":
             return cls.sim()
+        _require_cuda(device)
         fp = profile_store.fingerprint(device)
         key = profile_store.fingerprint_key(fp)
         path = Path(path) if path is not None else profile_store.db_path()
@@ -233,6 +240,20 @@ def normalize_device(device: str) -> str:
     raise BadInputError(f"device={device!r}: expected 'sim', 'cpu', 'cuda', 'cuda:N' or 'auto'")
 
 
+def _require_cuda(device: str) -> None:
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    from engine.errors import BadInputError
+
+    if not torch.cuda.is_available():
+        raise BadInputError(f"device={device!r}: no CUDA GPU is available to PyTorch here")
+    index = int(device.split(":")[1])
+    if index >= torch.cuda.device_count():
+        raise BadInputError(f"device={device!r}: only {torch.cuda.device_count()} CUDA device(s) here")
+
+
 def measure_profile(device: str, quick: bool = True, progress: Progress | None = None) -> dict:
     """Measure this machine for `device` ("cpu" or "cuda:N"); a profile dict (without fingerprint)."""
     import torch
@@ -250,10 +271,7 @@ def measure_profile(device: str, quick: bool = True, progress: Progress | None =
         if progress:
             progress(1.0, "done")
         return data
-    if not torch.cuda.is_available():
-        from engine.errors import BadInputError
-
-        raise BadInputError(f"device={device!r}: no CUDA GPU is available to PyTorch here")
+    _require_cuda(device)
     gpu_sizes = measure.GPU_QUICK if quick else measure.GPU_FULL
     with torch.cuda.device(torch.device(device)):
         data["cpu"] = measure.cpu_section(cpu_sizes, progress, 0.0, 0.5)

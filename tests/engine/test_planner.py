@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,7 +19,8 @@ from tests.engine.planner_cases import attention_sides, is_kind, model_configs
 
 SIM = ProfileDatabase.sim()
 TIERS = (1, 4, 16, 64, 256, 1024)
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+EXAMPLES = int(os.environ.get("SLIPSTREAM_PLANNER_EXAMPLES", "40"))   # raise for a deeper search
+SETTINGS = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 _planners: dict = {}
 
@@ -172,3 +174,11 @@ def test_profile_without_gpu_gives_all_cpu_plans():
     ps = planner.plan("64GiB", kv_tokens=1024)
     assert all(set(p.placement.values()) == {Placement.CPU} and p.vram.total == 0 for p in ps.plans)
     assert all(p.predicted_ms > 0 for p in ps.plans)
+
+
+def test_token_tiers_up_to_a_batch_limit():
+    from engine.sharding.planner import token_tiers
+
+    assert token_tiers(1) == (1,)
+    assert token_tiers(4096) == (1, 4, 16, 64, 256, 1024, 4096)
+    assert token_tiers(2000) == (1, 4, 16, 64, 256, 1024, 2000)

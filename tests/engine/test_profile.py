@@ -135,3 +135,22 @@ def test_data_dir_override(tmp_path, monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_DATA_DIR", str(tmp_path))
     monkeypatch.delenv("SLIPSTREAM_PROFILE_DB", raising=False)
     assert profile_store.db_path() == tmp_path / "profile.json"
+
+
+def test_sim_with_a_measured_cpu():
+    data = _fake_profile("cpu")
+    data["cpu"] = dict(data["cpu"], name="measured")
+    prof = ProfileDatabase.sim(cpu=ProfileDatabase(data))
+    assert prof.cpu["name"] == "measured" and prof.gpu == sim_profile_dict()["gpu"]
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
+    import torch
+
+    from engine.errors import BadInputError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BadInputError, match="no CUDA GPU"):
+        ProfileDatabase.for_device("cuda")
+    with pytest.raises(BadInputError, match="device="):
+        ProfileDatabase.for_device("tpu")

@@ -1,0 +1,117 @@
+"""Replays the executor's schedule of one step for many placements at once (numpy, one row each).
+
+The model:
+- sub-layers run in order (embed, layers.0.attn, layers.0.ffn, ..., head), each starting when the previous
+  one has finished, its input has crossed over if the side changed, and (if streamed) its weights arrived
+  (a streamed sub-layer also costs the host two kernel launches' worth of work for its copy and wait);
+- the copy engine copies streamed sub-layers in order, one at a time, each into a free slot; a slot frees
+  when the sub-layer that used it (n_slots streamed sub-layers earlier) finishes; with no more streamed
+  sub-layers than slots, each keeps its slot and is copied once, not every step;
+- prefetch runs on across the step boundary (the executor loads the next step's first streamed sub-layers
+  as soon as slots free), so two steps are replayed and the second one, the steady state, is reported;
+- CPU sub-layers run at the profile's "CPU while copying" rate while a copy is in flight (copies that can
+  be in flight during a CPU sub-layer are exactly those whose slots were already free when it started, so
+  they form one busy interval from its start), and copies run at the "copy beside CPU work" bandwidth in
+  plans that mix streamed and CPU sub-layers;
+- the step ends with the output (logits) back on the host.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from engine.sharding.estimator import StepCosts
+
+CPU, RES, STR = 0, 1, 2     # placement codes of a row
+
+
+class Pipeline:
+    """The schedule structure of B placements ([B, S] codes CPU/RES/STR); `run(costs, rho)` replays it.
+
+    `compute_mask` marks sub-layers whose CPU placement is real compute (not the embedding gather);
+    `copy_alone` / `copy_busy` are each sub-layer's copy time alone and beside CPU work. Arrays run
+    [sub-layer, row] so each sub-layer touches contiguous data."""
+
+    def __init__(self, place: np.ndarray, copy_alone: np.ndarray, copy_busy: np.ndarray,
+                 compute_mask: np.ndarray, n_slots: int):
+        pt = np.ascontiguousarray(np.asarray(place, dtype=np.int8).T)          # [S, B]
+        self.S, self.B = S, B = pt.shape
+        self.n_slots = max(int(n_slots), 1)
+        self.on_gpu = on_gpu = pt != CPU
+        is_str = pt == STR
+        self.n_str = n_str = is_str.sum(0)
+        self.ordn = ordn = np.cumsum(is_str, 0, dtype=np.int64) - 1
+        self.smax = smax = max(int(n_str.max()) if B else 0, 1)
+        sidx = np.zeros((smax, B), dtype=np.int64)
+        r, c = np.nonzero(is_str)
+        sidx[ordn[r, c], c] = r
+        mixed = is_str.any(0) & ((pt == CPU) & compute_mask[:, None]).any(0)
+        self.ctab = np.where(mixed[None, :], copy_busy[sidx], copy_alone[sidx]).reshape(-1)  # [smax, B]
+        self.cycles = n_str > self.n_slots
+        self.n_copies = np.where(self.cycles, 2 * n_str + self.n_slots, n_str)
+        self.safe_nstr = np.maximum(n_str, 1)
+        self.str_rows = [np.nonzero(is_str[i])[0] for i in range(S)]
+        self.uniform = [(bool(on_gpu[i].all()), not bool(on_gpu[i].any())) for i in range(S)]
+
+    def run(self, costs: StepCosts, rho: float) -> np.ndarray:
+        """Steady-state milliseconds per step of each row under one set of step costs."""
+        S, B, n_slots, smax = self.S, self.B, self.n_slots, self.smax
+        on_gpu, n_str, ordn, ctab, cycles = self.on_gpu, self.n_str, self.ordn, self.ctab, self.cycles
+        n_copies, safe_nstr, str_rows, uniform = self.n_copies, self.safe_nstr, self.str_rows, self.uniform
+        cend = np.zeros((2 * smax + n_slots) * B)       # flat [Q, B]: end of copy q of row b at q * B + b
+        e_str = np.zeros(2 * smax * B)                  # flat [2 smax, B]: compute end of streamed no. g
+        qs = np.zeros(B, dtype=np.int64)                # copies scheduled so far
+        done = np.zeros(B, dtype=np.int64)              # streamed sub-layers computed so far
+        last = np.zeros(B)                              # end of the last scheduled copy
+        w_busy = 1.0 - rho
+
+        def schedule() -> None:
+            while True:
+                b = np.nonzero(qs < np.minimum(done + n_slots, n_copies))[0]
+                if not len(b):
+                    return
+                q = qs[b]
+                prev = np.where(q > 0, cend[np.maximum(q - 1, 0) * B + b], 0.0)
+                dep = np.where(q >= n_slots, e_str[np.maximum(q - n_slots, 0) * B + b], 0.0)
+                end = np.maximum(prev, dep) + ctab[(q % safe_nstr[b]) * B + b]
+                cend[q * B + b] = end
+                last[b] = end
+                qs[b] += 1
+
+        t = np.zeros(B)
+        prev_gpu = np.zeros(B, dtype=bool)
+        ends = []
+        for step in (0, 1):
+            if step == 0 and len(str_rows) and any(len(x) for x in str_rows):
+                schedule()
+            for i in range(S):
+                g = on_gpu[i]
+                all_gpu, all_cpu = uniform[i]
+                changed = g ^ prev_gpu
+                ready = t + (changed & g) * costs.to_gpu_ms[i] + (changed & ~g) * costs.to_cpu_ms
+                rows = str_rows[i]
+                if len(rows):
+                    gord = step * n_str[rows] + ordn[i, rows]
+                    q = np.where(cycles[rows], gord, ordn[i, rows])
+                    ready[rows] = np.maximum(ready[rows], cend[q * B + rows])
+                if all_gpu:
+                    e = ready + costs.gpu_ms[i]
+                else:
+                    w = costs.cpu_ms[i]
+                    busy = np.maximum(last - ready, 0.0)       # copies in flight from `ready` on
+                    d_cpu = np.minimum(w / rho, w + w_busy * busy) if rho < 1 else w
+                    e = ready + d_cpu if all_cpu else ready + np.where(g, costs.gpu_ms[i], d_cpu)
+                if len(rows):
+                    e[rows] += costs.stream_ms
+                    e_str[gord * B + rows] = e[rows]
+                    done[rows] += 1
+                    schedule()
+                t = e
+                prev_gpu = g
+            t = t + prev_gpu * costs.out_ms
+            prev_gpu = np.zeros(B, dtype=bool)
+            ends.append(t.copy())
+        return ends[1] - ends[0]
