@@ -132,7 +132,7 @@ class AppController(QObject):
 
     def _window_closing(self) -> None:
         if not self.tray.available:
-            QTimer.singleShot(0, self.quit)
+            QTimer.singleShot(0, self, self.quit)
         elif not self._hint_shown and not self._quitting:
             self._hint_shown = True
             self.tray.notify("Slipstream", "Slipstream keeps running in the tray.")

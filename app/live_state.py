@@ -44,4 +44,4 @@ class LiveState:
             return own, games, max(0.0, others - games), total, ""
         status = str(getattr(snap, "status", "") or self.monitor_status or "no GPU monitor")
         own = self.fresh_metrics().get("own_vram") if self.metrics else None
-        return own, None, None, None, f"{status} — showing Slipstream's planned VRAM"
+        return own, None, None, None, f"{status.split(':')[0]}: showing Slipstream's planned VRAM"

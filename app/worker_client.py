@@ -248,7 +248,7 @@ class WorkerClient(QObject):
             what = " and reloading the model" if self._last_load is not None else ""
             self._set_state("restarting")
             self.died.emit(f"The engine stopped unexpectedly ({how}); restarting it{what}.")
-            QTimer.singleShot(RESTART_DELAY_MS, self.start)
+            QTimer.singleShot(RESTART_DELAY_MS, self, self.start)
         if running is not None:
             self.done.emit(running, "interrupted", {})
 

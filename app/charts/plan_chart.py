@@ -9,7 +9,7 @@ import numpy as np
 import pyqtgraph as pg
 
 from app import theme
-from app.charts.style import make_plot
+from app.charts.style import make_plot, x_left
 
 MAX_SEGMENTS = 2000     # per tier
 MAX_MARKS = 200
@@ -26,14 +26,16 @@ class PlanChart:
         self._marks = pg.PlotDataItem(pen=pg.mkPen(theme.BUDGET, width=1.5), connect="pairs")
         self.widget.addItem(self._bars)
         self.widget.addItem(self._marks)
-        self.caption = pg.TextItem("", color=theme.MUTED, anchor=(0, 0))
-        self.caption.setParentItem(self.widget.getPlotItem().vb)
-        self.caption.setPos(6, 2)
-        legend = "  ".join(f"<span style='color:{c}'>■</span> {k}" for k, c in theme.PLAN_COLORS.items()
-                           if k != "cpu")
-        self.widget.setTitle(f"<span style='color:{theme.TEXT}'>Plan per token tier</span>"
-                             f"<span style='color:{theme.MUTED}'>&nbsp;&nbsp;{legend}</span>", size="9pt")
+        self.caption = ""
+        self._legend = "  ".join(f"<span style='color:{c}'>■</span> {k}" for k, c in theme.PLAN_COLORS.items()
+                                 if k != "cpu")
+        self._set_title()
         self.current: dict[int, tuple[str, float]] = {}
+
+    def _set_title(self) -> None:
+        sub = f"<br><span style='color:{theme.BUDGET}; font-size:8pt'>{self.caption}</span>" if self.caption else ""
+        self.widget.setTitle(f"<span style='color:{theme.TEXT}'>Plan per token tier</span>"
+                             f"<span style='color:{theme.MUTED}'>&nbsp;&nbsp;{self._legend}</span>{sub}", size="9pt")
 
     def sample(self, t: float, report: dict | None) -> None:
         """Record the plan in use at time `t` (called at the panel's tick)."""
@@ -63,6 +65,7 @@ class PlanChart:
     def redraw(self, now: float) -> None:
         x0, x1, y, h, brushes = [], [], [], [], []
         start = now - self.window_s
+        oldest = min((segs[0][0] for segs in self.segments.values() if segs), default=None)
         for row, tier in enumerate(self.tiers):
             for t0, t1, kind, share in self.segments[tier]:
                 if t1 < start:
@@ -80,6 +83,7 @@ class PlanChart:
         self._marks.setData(xs, ys)
         if self.marks:
             t, reason = self.marks[-1]
-            self.caption.setText(f"re-plan {now - t:.0f} s ago: {reason}")
-        self.widget.setXRange(-self.window_s, 0, padding=0)
+            self.caption = f"last re-plan {now - t:.0f} s ago: {reason}"
+            self._set_title()
+        self.widget.setXRange(x_left(oldest, now, self.window_s), 0, padding=0)
         self.widget.setYRange(-0.6, top + 0.1, padding=0)

@@ -9,7 +9,7 @@ import pyqtgraph as pg
 
 from app import theme
 from app.charts.ring_buffer import RingBuffer
-from app.charts.style import HISTORY_S, TICK_HZ, make_plot
+from app.charts.style import HISTORY_S, TICK_HZ, make_plot, x_left
 
 MAX_REQUESTS = 60
 
@@ -31,7 +31,7 @@ class SpeedChart:
         rows = rows[rows[:, 0] >= now - self.window_s - 1]
         self._curve.setData(rows[:, 0] - now, rows[:, 1])
         top = np.nanmax(np.concatenate([rows[:, 1], [1.0]]))
-        self.widget.setXRange(-self.window_s, 0, padding=0)
+        self.widget.setXRange(x_left(rows[0, 0] if len(rows) else None, now, self.window_s), 0, padding=0)
         self.widget.setYRange(0, top * 1.15, padding=0)
 
 
@@ -43,6 +43,7 @@ class TtftChart:
         self._count = 0
         self.widget = make_plot("Time to first token", "ms")
         self.widget.setLabel("bottom", "request")
+        self.widget.getAxis("bottom").setTickSpacing(major=5, minor=1)
         self._bars = pg.BarGraphItem(x=[], height=[], width=0.7, brush=pg.mkBrush(theme.ACCENT))
         self.widget.addItem(self._bars)
         self._dirty = False
@@ -60,5 +61,6 @@ class TtftChart:
         hs = [v[1] for v in self.values]
         self._bars.setOpts(x=xs, height=hs, width=0.7)
         if xs:
-            self.widget.setXRange(max(0.5, xs[-1] - MAX_REQUESTS + 0.5), xs[-1] + 0.5, padding=0)
+            right = max(xs[-1], 10) + 0.5
+            self.widget.setXRange(max(0.5, right - MAX_REQUESTS), right, padding=0)
             self.widget.setYRange(0, max(hs) * 1.15 + 1e-3, padding=0)

@@ -20,6 +20,13 @@ def byte_unit(max_value: float) -> tuple[float, str]:
     return 1.0, "B"
 
 
+def x_left(oldest: float | None, now: float, window_s: float) -> float:
+    """The left end of the time axis: the window, or less while there is less history (min 10 s)."""
+    if oldest is None:
+        return -window_s
+    return max(-window_s, min(-10.0, oldest - now))
+
+
 def make_plot(title: str, left: str) -> pg.PlotWidget:
     w = pg.PlotWidget()
     w.setTitle(f"<span style='color:{theme.TEXT}'>{title}</span>", size="9pt")

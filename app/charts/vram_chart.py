@@ -8,7 +8,7 @@ import pyqtgraph as pg
 
 from app import theme
 from app.charts.ring_buffer import RingBuffer
-from app.charts.style import HISTORY_S, TICK_HZ, byte_unit, make_plot
+from app.charts.style import HISTORY_S, TICK_HZ, byte_unit, make_plot, x_left
 
 _T, _OWN, _GAMES, _OTHERS, _BUDGET, _TOTAL = range(6)
 
@@ -18,9 +18,9 @@ class VramChart:
         self.window_s = window_s
         self.buffer = RingBuffer(HISTORY_S * TICK_HZ, 6)
         self.widget = make_plot("VRAM by process", "GiB")
-        self.widget.addLegend(offset=(8, 4), labelTextSize="8pt", brush=pg.mkBrush(theme.BASE + "c0"))
+        self.widget.addLegend(offset=(4, 2), labelTextSize="8pt", colCount=5, verSpacing=-6)
         plot = self.widget.getPlotItem()
-        self._zero = pg.PlotDataItem(pen=None)
+        self._zero = pg.PlotDataItem(pen=pg.mkPen(0, 0, 0, 0))
         self._own = pg.PlotDataItem(pen=pg.mkPen(theme.ACCENT, width=1.5), name="Slipstream")
         self._games = pg.PlotDataItem(pen=pg.mkPen(theme.GAME, width=1.5), name="games")
         self._others = pg.PlotDataItem(pen=pg.mkPen(theme.OTHER, width=1.5), name="others")
@@ -32,12 +32,12 @@ class VramChart:
             plot.addItem(item)
         for lower, upper, color in ((self._zero, self._own, theme.ACCENT), (self._own, self._games, theme.GAME),
                                     (self._games, self._others, theme.OTHER)):
-            fill = pg.FillBetweenItem(lower, upper, brush=pg.mkBrush(color + "70"))
-            fill.setZValue(-10)
+            fill_color = pg.mkColor(color)
+            fill_color.setAlpha(110)
+            fill = pg.FillBetweenItem(lower, upper, brush=pg.mkBrush(fill_color))
             plot.addItem(fill)
-        self.note = pg.TextItem("", color=theme.MUTED, anchor=(0, 0))
-        self.note.setParentItem(plot.vb)
-        self.note.setPos(6, 4)
+        self._own.setZValue(5)
+        self._note = ""
         self._unit = ""
 
     def add(self, t: float, own: float | None, games: float | None, others: float | None,
@@ -45,7 +45,11 @@ class VramChart:
         self.buffer.append(t, own, games, others, budget, total)
 
     def set_note(self, text: str) -> None:
-        self.note.setText(text)
+        """A second title line (e.g. why only Slipstream's own figure is shown)."""
+        if text != self._note:
+            self._note = text
+            sub = f"<br><span style='color:{theme.MUTED}; font-size:8pt'>{text}</span>" if text else ""
+            self.widget.setTitle(f"<span style='color:{theme.TEXT}'>VRAM by process</span>{sub}", size="9pt")
 
     def redraw(self, now: float) -> None:
         rows = self.buffer.view()
@@ -57,16 +61,30 @@ class VramChart:
         games = own + np.nan_to_num(rows[:, _GAMES])
         others = games + np.nan_to_num(rows[:, _OTHERS])
         budget, total = rows[:, _BUDGET], rows[:, _TOTAL]
-        peak = np.nanmax(np.concatenate([others, np.nan_to_num(budget), np.nan_to_num(total), [1.0]]))
+        peak = float(np.nanmax(np.concatenate([others, np.nan_to_num(total), [1.0]])))
+        if not np.isfinite(total).any():
+            # No GPU total to scale to: show the budget unless it is far off the scale (a notional one).
+            finite = budget[np.isfinite(budget)]
+            on_scale = finite[finite <= max(peak * 4, 1 << 20)]
+            peak = max([peak, *on_scale.tolist()])
+            budget = np.minimum(budget, peak * 1.05)
         div, unit = byte_unit(peak)
         if unit != self._unit:
             self._unit = unit
             self.widget.setLabel("left", unit)
         self._zero.setData(x, np.zeros_like(x))
         self._own.setData(x, own / div)
-        self._games.setData(x, games / div)
-        self._others.setData(x, others / div)
+        if np.isfinite(rows[:, _GAMES]).any() or np.isfinite(rows[:, _OTHERS]).any():
+            self._games.setData(x, games / div)
+            self._others.setData(x, others / div)
+            self._games.setPen(pg.mkPen(theme.GAME, width=1.5))
+            self._others.setPen(pg.mkPen(theme.OTHER, width=1.5))
+        else:   # no monitor data: nothing to stack on Slipstream's own figure
+            self._games.setData(x, own / div)
+            self._others.setData(x, own / div)
+            self._games.setPen(None)
+            self._others.setPen(None)
         self._budget.setData(x, budget / div)
         self._total.setData(x, total / div)
-        self.widget.setXRange(-self.window_s, 0, padding=0)
-        self.widget.setYRange(0, peak / div * 1.1, padding=0)
+        self.widget.setXRange(x_left(rows[0, _T], now, self.window_s), 0, padding=0)
+        self.widget.setYRange(0, peak / div * 1.22, padding=0)   # headroom for the legend row

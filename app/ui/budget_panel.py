@@ -78,6 +78,8 @@ class BudgetPanel(QGroupBox):
         self._quiet = True
         if n_bytes is not None:
             self.slider.setValue(round(STEPS * min(n_bytes, self.max_bytes) / self.max_bytes))
+        else:
+            self.slider.setValue(STEPS)      # no limit from us: the engine decides
         self.value_label.setText(format_bytes(n_bytes) if n_bytes is not None else "engine decides")
         self._quiet = False
 

@@ -203,7 +203,7 @@ class MessageList(QScrollArea):
         self.clear()
         for m in messages:
             self.add_message(m)
-        QTimer.singleShot(0, self.scroll_to_bottom)
+        QTimer.singleShot(0, self, self.scroll_to_bottom)
 
     def add_message(self, message: Message) -> MessageWidget:
         self.empty_hint.hide()
@@ -211,7 +211,7 @@ class MessageList(QScrollArea):
         self._layout.insertWidget(self._layout.count() - 1, widget)
         self.widgets[message.id] = widget
         self._texts[message.id] = message.content
-        QTimer.singleShot(0, self.scroll_to_bottom)
+        QTimer.singleShot(0, self, self.scroll_to_bottom)
         return widget
 
     def append_text(self, message_id: int, piece: str) -> None:
@@ -240,7 +240,7 @@ class MessageList(QScrollArea):
                 widget.set_text(self._texts[mid])
         self._pending.clear()
         if follow:
-            QTimer.singleShot(0, self.scroll_to_bottom)
+            QTimer.singleShot(0, self, self.scroll_to_bottom)
 
     def _at_bottom(self) -> bool:
         bar = self.verticalScrollBar()
