@@ -2,11 +2,12 @@
 
 The family (`Family`) is every placement described by four numbers, independent of the budget:
 - k, how many layers run attention on the GPU (the first k; their KV cache lives there);
-- r, how long a prefix of the priority order is resident. The order is: GPU attention (layer order), the
-  output head, the FFNs front to back (so whole layers become resident);
+- r, how long a prefix of the priority order is resident. The order is: GPU attention (layer order), then
+  the FFNs front to back (so whole layers become resident);
 - m, how many of the non-resident FFNs stream into slots (spread evenly, so each copy overlaps the CPU
   work between two streamed FFNs); the other FFNs run on the CPU;
-- the head, when not resident: on the CPU or streamed.
+- the output head: resident, streamed or on the CPU (a separate choice: it is as large as several FFNs,
+  so "head before FFNs" and "FFNs before head" are both in the family).
 GPU attention that is not resident streams. The embedding (a gather of a few rows) stays in host memory,
 except in forced gpu_only plans, which put every sub-layer on the GPU. Kinds, by placement (the embedding
 gather does not count as CPU compute): `gpu_only` computes nothing on the CPU (non-resident sub-layers
@@ -77,18 +78,17 @@ class Family:
         head, embed = idx["head"], idx["embed"]
         blocks, ks = [], []
         for k in attention_choices(L):
-            order = attn[:k] + [head] + ffn
+            order = attn[:k] + ffn
             for r in range(len(order) + 1):
                 base = np.full(len(subs), CPU, dtype=np.int8)
                 base[attn[:k]] = STR
                 base[order[:r]] = RES
                 rows = self._ffn_patterns(base, [f for f in ffn if base[f] != RES])
-                if base[head] != RES:
-                    alt = rows.copy()
-                    alt[:, head] = STR
-                    rows = np.concatenate([rows, alt])
-                blocks.append(rows)
-                ks.append(np.full(len(rows), k))
+                for head_at, head_rows in ((CPU, rows), (RES, rows), (STR, rows)):
+                    head_rows = head_rows.copy()
+                    head_rows[:, head] = head_at
+                    blocks.append(head_rows)
+                    ks.append(np.full(len(head_rows), k))
         place, k_of = np.concatenate(blocks), np.concatenate(ks)
         compute = np.array([s.kind != "embed" for s in subs])
         # Forced gpu_only plans also keep the embedding on the GPU: copies of the members that compute
