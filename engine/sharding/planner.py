@@ -14,14 +14,15 @@ gather does not count as CPU compute): `gpu_only` computes nothing on the CPU (n
 stream), `static` streams nothing (resident by priority, the rest on the CPU), `dynamic` does both.
 
 Each member's VRAM (`engine.sharding.memory`) and predicted time per tier (`engine.sharding.estimator`)
-are computed once per KV capacity (about half a second for an 8B model); a plan is then a lookup of the
-fastest member under the budget, per tier (about a millisecond). One k serves every tier of a PlanSet
-(the KV cache lives where attention runs, so attention never changes sides between tiers): the k whose
-plans minimise `score`, the predicted time of a reference workload (decode steps and one input per
-tier). Every tier's resident set is a prefix of the same order, so switching tiers adds or drops a tail.
+are computed once per KV capacity (about a second for an 8B model); a plan is then a lookup of the
+fastest member under the budget, per tier (about a millisecond). All tiers of a PlanSet share k (the KV
+cache lives where attention runs, so attention never changes sides between tiers) and whether the head
+is resident: the pair whose plans minimise `score`, the predicted time of a reference workload (decode
+steps and one input per tier). Resident sets of the tiers are then nested (prefixes of one order, and
+the same head), so switching tiers only adds or drops a tail.
 
-Because the family does not depend on the budget, more budget never predicts a slower plan for a tier
-within one k, never a worse PlanSet score, and budget 0 always has the all-CPU plan (0 bytes).
+Because the family does not depend on the budget, more budget never predicts a worse PlanSet score, nor
+a slower plan for a tier while the shared choices stay; budget 0 always has the all-CPU plan (0 bytes).
 """
 
 from __future__ import annotations
@@ -98,6 +99,8 @@ class Family:
         extra[:, embed] = RES
         self.place = np.concatenate([place, extra])
         self.k = np.concatenate([k_of, k_of[all_gpu]])
+        # Members are grouped by what all tiers of a PlanSet share: k, and whether the head is resident.
+        self.group = self.k * 2 + (self.place[:, head] == RES)
         embed_res = np.arange(len(self.place)) >= len(place)
         n_cpu = ((self.place == CPU) & compute).sum(1)
         self.n_str = n_str = (self.place == STR).sum(1)
@@ -209,11 +212,11 @@ class Planner:
             self._tables[kv_tokens] = (vram, ms)
         return self._tables[kv_tokens]
 
-    def _front(self, kv_tokens: int, kind: str, k: int, ti: int) -> _Front | None:
-        key = (kv_tokens, kind, k, ti)
+    def _front(self, kv_tokens: int, kind: str, group: int, ti: int) -> _Front | None:
+        key = (kv_tokens, kind, group, ti)
         if key not in self._fronts:
             vram, ms = self._table(kv_tokens)
-            members = np.nonzero(self.family.masks[kind] & (self.family.k == k))[0]
+            members = np.nonzero(self.family.masks[kind] & (self.family.group == group))[0]
             fam = self.family
             self._fronts[key] = (_Front(members, vram[members, ti], ms[members, ti], fam.n_str[members])
                                  if len(members) else None)
@@ -233,15 +236,15 @@ class Planner:
         if self.family is None:
             return self._all_cpu(budget, kv_tokens, kind, strict)
         best = None
-        for k in np.unique(self.family.k):
+        for group in np.unique(self.family.group):
             picks, n_strict = [], 0
-            for ti, tier in enumerate(self.tiers):
+            for ti in range(len(self.tiers)):
                 hit = None
-                if kind != "auto" and (front := self._front(kv_tokens, kind, int(k), ti)) is not None:
+                if kind != "auto" and (front := self._front(kv_tokens, kind, int(group), ti)) is not None:
                     hit = front.lookup(budget)
                     n_strict += hit is not None
-                if hit is None:
-                    hit = self._front(kv_tokens, "auto", int(k), ti).lookup(budget)
+                if hit is None and (front := self._front(kv_tokens, "auto", int(group), ti)) is not None:
+                    hit = front.lookup(budget)
                 if hit is None:
                     break
                 picks.append(hit)
@@ -263,8 +266,8 @@ class Planner:
             return 0
         vram, _ = self._table(kv_tokens)
         need = None
-        for k in np.unique(self.family.k):
-            sel = self.family.masks[kind] & (self.family.k == k)
+        for group in np.unique(self.family.group):
+            sel = self.family.masks[kind] & (self.family.group == group)
             if sel.any():
                 v = int(vram[sel].min(0).max())
                 need = v if need is None else min(need, v)
