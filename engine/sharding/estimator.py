@@ -1,8 +1,9 @@
 """The roofline estimator: predicted milliseconds per step of a placement, modelling the executor's pipeline.
 
 Per sub-layer costs come from the profile (`StepCosts`): matmuls from the measured GFLOP/s tables,
-attention over the context from KV bytes read and FLOPs, a per-kernel overhead, activation moves between
-CPU and GPU (bytes over PCIe plus a fixed latency) wherever consecutive sub-layers change sides.
+attention over the context from KV bytes read and FLOPs, a per-op overhead (added on the CPU; on the
+GPU the kernels run while the host issues the next, so the larger of the two counts), activation moves
+between CPU and GPU (bytes over PCIe plus a fixed latency) wherever consecutive sub-layers change sides.
 
 `engine.sharding.pipeline` then replays the executor's schedule of a step over those costs, for many
 placements at once, and reports the steady-state step time.
@@ -62,7 +63,9 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
                 t = prof.gemm_ms(side, dt, "ffn", sub.flops_per_token, n)
             else:
                 t = prof.gemm_ms(side, dt, "head", sub.flops_per_token, rows)
-            ms[side][i] = t + prof.op_ms(side, OPS[sub.kind])
+            # The CPU pays each op's dispatch in turn; a GPU runs kernels while the host issues more.
+            issue = prof.op_ms(side, OPS[sub.kind])
+            ms[side][i] = t + issue if side == "cpu" else max(t, issue)
     if not prof.has_gpu:   # any GPU placement costs infinity (crossings stay finite: 0 x inf is nan)
         ms["gpu"][:] = np.inf
         return StepCosts(ms["gpu"], ms["cpu"], np.zeros(len(spec.sublayers)), 0.0, 0.0)
