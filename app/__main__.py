@@ -18,6 +18,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _quit_on_signals(quit_app) -> None:
+    """Ctrl+C and SIGTERM quit cleanly (worker shut down, database closed)."""
+    import signal
+
+    from PySide6.QtCore import QTimer
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: QTimer.singleShot(0, quit_app))
+    timer = QTimer()
+    timer.timeout.connect(lambda: None)   # let Python run its signal handlers while Qt waits
+    timer.start(250)
+    _quit_on_signals.timer = timer
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from PySide6.QtWidgets import QApplication
@@ -47,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     controller = AppController(LaunchOptions(show_chat=args.show_chat, model=model, device=args.device,
                                              backend=args.backend, start_monitor=not args.no_monitor))
     instance.messageReceived.connect(lambda _m: controller.show_chat())
+    _quit_on_signals(controller.quit)
     controller.start()
     code = app.exec()
     controller.quit()

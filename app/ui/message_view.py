@@ -238,7 +238,9 @@ class MessageList(QScrollArea):
             widget = self.widgets.get(mid)
             if widget is not None:
                 widget.set_text(self._texts[mid])
+                widget.updateGeometry()
         self._pending.clear()
+        self._layout.activate()
         if follow:
             QTimer.singleShot(0, self, self.scroll_to_bottom)
 
