@@ -112,7 +112,7 @@ class _Steps:
 
     def __call__(self, message: str) -> None:
         if self.progress is not None:
-            self.progress(self.offset + self.share * self.done / self.total, message)
+            self.progress(self.offset + self.share * min(self.done / self.total, 1.0), message)
         self.done += 1
 
 
