@@ -58,17 +58,20 @@ def main() -> int:
     ctl.new_conversation()
     answer = ask(ctl, "Write a Python function that reverses a string, with a short explanation.")
     view = ctl.window.messages
+    need = max(t["vram"]["total"] for t in ctl.state.plan_report["tiers"])
+    wait_until(lambda: len(view.text_of(answer)) > 20, 120, "the answer to start")
+    ctl.window.budget.set_cap(int(need * 0.6))          # as a drag of the slider would, mid-answer
+    pause(1.5)
+    ctl.window.budget.set_cap(int(need * 0.35))
     wait_until(lambda: view.text_of(answer).count("```") >= 2 and len(view.text_of(answer)) > 160
                or not ctl.session.generating, 120, "a code block and some prose")
     pause(0.2)
     ctl.window.grab().save(str(HERE / "chat-mid-answer.png"))
     print("chat-mid-answer.png: generating =", ctl.session.generating)
-    wait_until(lambda: not ctl.session.generating, 120, "the answer to end")
-    pause(2)
-    need = max(t["vram"]["total"] for t in ctl.state.plan_report["tiers"])
-    for fraction in (0.6, 0.35, 0.8):
-        ctl.window.budget.set_cap(int(need * fraction))     # as a drag of the slider would
-        pause(2.5)
+    wait_until(lambda: not ctl.session.generating, 180, "the answer to end")
+    pause(1)
+    ctl.window.budget.set_cap(int(need * 0.8))
+    pause(2.5)
     ctl.window.side.grab().save(str(HERE / "charts-budget-change.png"))
 
     ctl.tray.set_status(ctl.tray.status_action.text(), "idle")
