@@ -30,12 +30,16 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
     """
     n = x.shape[0]
     h = rms_norm(x, w["attn_norm.weight"], cfg.rms_norm_eps)
-    q = F.linear(h, w["q.weight"], w.get("q.bias"))
-    k = F.linear(h, w["k.weight"], w.get("k.bias"))
-    v = F.linear(h, w["v.weight"], w.get("v.bias"))
-    q = q.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
-    k = k.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-    v = v.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+    if "qkv.weight" in w and (not cfg.attention_bias or "qkv.bias" in w):
+        q, k, v = F.linear(h, w["qkv.weight"], w.get("qkv.bias")).split(
+            [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+    else:
+        q = F.linear(h, w["q.weight"], w.get("q.bias"))
+        k = F.linear(h, w["k.weight"], w.get("k.bias"))
+        v = F.linear(h, w["v.weight"], w.get("v.bias"))
+    q = q.reshape(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+    k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+    v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
@@ -53,7 +57,11 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
 def ffn_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """Pre-norm SwiGLU feed-forward."""
     h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
-    return x + F.linear(F.silu(F.linear(h, w["gate.weight"])) * F.linear(h, w["up.weight"]), w["down.weight"])
+    if "gate_up.weight" in w:
+        gate, up = F.linear(h, w["gate_up.weight"]).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(h, w["gate.weight"]), F.linear(h, w["up.weight"])
+    return x + F.linear(F.silu(gate) * up, w["down.weight"])
 
 
 def embed_tokens(w: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
