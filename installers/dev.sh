@@ -21,6 +21,16 @@ if [ ! -e "$stamp" ]; then
   "$V" -m pip install -q --upgrade pip
   # PyTorch: keep one that is already there (e.g. a CUDA build); otherwise the CPU build.
   "$V" -c "import torch" 2>/dev/null || "$V" -m pip install -q "torch==2.13.0"
+  # llama.cpp is compiled for this CPU's vector units but without AMX: virtual machines often list AMX
+  # without letting programs use it, and llama.cpp then dies with "Illegal instruction".
+  if [ "$(uname -m)" = x86_64 ] && [ -z "${CMAKE_ARGS:-}" ]; then
+    flags="-DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    for pair in avx:AVX avx2:AVX2 fma:FMA f16c:F16C bmi2:BMI2 avx_vnni:AVX_VNNI avx512f:AVX512 \
+                avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+      grep -qw "${pair%%:*}" /proc/cpuinfo && flags="$flags -DGGML_${pair##*:}=ON"
+    done
+    export CMAKE_ARGS="$flags"
+  fi
   "$V" -m pip install -q -e ".[$extras]"
   touch "$stamp"
 fi
