@@ -99,9 +99,15 @@ class LlamaCppEngine(Engine):
         self._cached = []
 
     def _reopen(self, n_gpu_layers: int) -> None:
-        """Reload with another placement; the next step re-evaluates the tokens it needs."""
+        """Reload with another placement; the next step re-evaluates the tokens it needs. Where the
+        GPU placement cannot be loaded (out of memory), fall back to the CPU rather than fail."""
         self._free()
-        self._open(n_gpu_layers)
+        try:
+            self._open(n_gpu_layers)
+        except ModelLoadError:
+            if n_gpu_layers == 0:
+                raise
+            self._open(0)
 
     def _layers_for_budget(self, budget: int | None) -> int:
         """How many layers (output head first, as llama.cpp offloads them) fit in `budget` bytes."""

@@ -229,3 +229,30 @@ def test_corrupt_file_is_a_one_line_model_load_error(path, tmp_path, capfd, cont
     msg = str(info.value)
     assert "\n" not in msg and str(bad) in msg
     assert capfd.readouterr().err == ""         # llama.cpp's own log stays quiet
+
+
+def test_replacement_mid_generation_loses_nothing(path):
+    """A budget change on a GPU build reloads the model with another n_gpu_layers between two steps.
+    Simulated here (a CPU build places nothing on a GPU, but the reload path is the same): the text
+    continues exactly as without the change."""
+    from engine.backends.llamacpp import LlamaCppEngine
+
+    with LlamaCppEngine(path, device="cpu", n_ctx=512, n_threads=1) as e:
+        _, expected, _ = run(e, PROMPT, max_new_tokens=12)
+        e._gpu, e._main_gpu = True, 0          # pretend: a CUDA build with a GPU
+        got = []
+        for ev in e.generate(PROMPT, max_new_tokens=12):
+            if ev.token_id is not None:
+                got.append(ev.token_id)
+            if len(got) == 4:
+                e.set_vram_budget("1GiB")      # deferred to the next step boundary
+                assert e.stats()["n_gpu_layers"] == 0
+        assert got == expected
+        assert e.stats()["n_gpu_layers"] == 31 and e.plan_report()["tiers"][0]["plan"] == "gpu_only"
+        assert e.tokenizer.decode(got) == e.tokenizer.decode(expected)   # tokenizer follows the reload
+        e.set_vram_budget(300 * 2**20)         # not generating: applied at once, fewer layers
+        assert 0 < e.stats()["n_gpu_layers"] < 31
+        report = e.plan_report()
+        assert report["tiers"][0]["vram"]["total"] <= report["budget"]
+        assert report["tiers"][0]["placement"]["head"] == "resident"
+        assert report["tiers"][0]["placement"]["layers.0.attn"] == "cpu"
