@@ -6,7 +6,8 @@ count, at the engine's thread count (`torch.get_num_threads()`); bf16 GEMV rate 
 CUDA events; pinned host-to-device and device-to-host bandwidth on a side copy stream; the cost of moving
 a small activation between CPU and GPU; and the two rates that matter for overlap: copy bandwidth while
 the CPU computes and CPU throughput while copies run. Nothing spins: waits poll a CUDA event with a short
-sleep, as the executor does. Decode-shaped GEMVs cycle through more weight bytes than any cache holds.
+sleep, as the executor does. Decode-shaped GEMVs cycle through more weight bytes than any cache holds,
+and beside a GPU the CPU's weights sit in pinned memory, where the executor keeps them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 Progress = Callable[[float, str], None]
 DTYPES = ("bfloat16", "float16", "float32")
 _TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 _POLL_S = 0.0002
 
 
@@ -39,6 +41,7 @@ class Sizes:
     rotate_bytes: int            # weight bytes cycled through per GEMM point (defeats the caches)
     copy_bytes: int = 0          # pinned buffer of the PCIe measurements
     dtypes: tuple[str, ...] = DTYPES
+    pinned: bool = False         # CPU weights in pinned memory (as the executor keeps them beside a GPU)
 
     def classes(self) -> dict[str, tuple[int, int]]:
         """Shape class -> (out_features, in_features) of its representative matrix."""
@@ -98,10 +101,15 @@ def time_cuda(fn: Callable[[int], object], min_time: float, min_reps: int = 3) -
     return statistics.median(times)
 
 
-def _weights(shape: tuple[int, int], dtype: torch.dtype, rotate_bytes: int, device) -> list[torch.Tensor]:
+def _weights(shape: tuple[int, int], dtype: torch.dtype, rotate_bytes: int, device,
+             pinned: bool = False) -> list[torch.Tensor]:
+    """Copies of one random matrix totalling about `rotate_bytes` (pinned host memory if asked)."""
+    pin = pinned and torch.device(device).type == "cpu"
     one = torch.empty(shape, dtype=dtype, device=device).uniform_(-0.05, 0.05)
     count = max(1, rotate_bytes // (one.numel() * one.element_size()))
-    return [one] + [one.clone() for _ in range(count - 1)]
+    if not pin:
+        return [one] + [one.clone() for _ in range(count - 1)]
+    return [torch.empty(shape, dtype=dtype, pin_memory=True).copy_(one) for _ in range(count)]
 
 
 # ---- the measurements ---------------------------------------------------------------------------
@@ -124,7 +132,7 @@ def gemm_table(sizes: Sizes, device, step: _Steps) -> dict[str, dict[str, list[l
     for dtype in sizes.dtypes:
         out[dtype] = {}
         for cls, shape in sizes.classes().items():
-            ws = _weights(shape, _TORCH[dtype], sizes.rotate_bytes, device)
+            ws = _weights(shape, _TORCH[dtype], sizes.rotate_bytes, device, sizes.pinned)
             rows = []
             for n in sizes.tokens:
                 step(f"{'gpu' if cuda else 'cpu'} matmul {dtype} {cls} x{n} tokens")
@@ -197,7 +205,7 @@ def memory_gbps(device, nbytes: int) -> float:
 def gemv_pass(sizes: Sizes) -> tuple[Callable[[int], object], int]:
     """A bf16 decode GEMV over one FFN-shaped matrix of a set larger than the caches; (fn, bytes/call)."""
     dt = torch.bfloat16 if "bfloat16" in sizes.dtypes else _TORCH[sizes.dtypes[0]]
-    ws = _weights((sizes.ffn, sizes.hidden), dt, sizes.rotate_bytes, "cpu")
+    ws = _weights((sizes.ffn, sizes.hidden), dt, sizes.rotate_bytes, "cpu", sizes.pinned)
     x = torch.randn(1, sizes.hidden, dtype=dt)
     return (lambda i: F.linear(x, ws[i % len(ws)])), ws[0].numel() * ws[0].element_size()
 
@@ -218,6 +226,33 @@ def thread_sweep(sizes: Sizes, step: _Steps) -> dict[str, float]:
     return out
 
 
+def ffn_block_factors(sizes: Sizes, gemm: dict, op_us: float) -> dict[str, float]:
+    """Measured time of the engine's own CPU FFN block (norm, fused gate/up, SwiGLU, down; weights laid
+    out and placed as the executor keeps them) over the time the GEMM table and op overhead predict, at
+    the smallest and largest token counts. The profile scales the CPU tables by it."""
+    try:
+        from engine.config import ModelConfig
+        from engine.models.dense import ffn_block
+    except ImportError:
+        return {}
+    dtype = "bfloat16" if "bfloat16" in sizes.dtypes else sizes.dtypes[0]
+    dt, h, f = _TORCH[dtype], sizes.hidden, sizes.ffn
+    cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=h, intermediate_size=f, num_layers=1,
+                      num_heads=1, num_kv_heads=1, head_dim=h, dtype=dtype)
+    count = max(1, sizes.rotate_bytes // (3 * h * f * _DTYPE_BYTES[dtype]))
+    blocks = [{"ffn_norm.weight": _weights((1, h), dt, 0, "cpu", sizes.pinned)[0][0],
+               "gate_up.weight": _weights((2 * f, h), dt, 0, "cpu", sizes.pinned)[0],
+               "down.weight": _weights((h, f), dt, 0, "cpu", sizes.pinned)[0]} for _ in range(count)]
+    rows = {int(n): r for n, r in gemm[dtype]["ffn"]}
+    out = {}
+    for n in (sizes.tokens[0], sizes.tokens[-1]):
+        x = torch.randn(n, h, dtype=dt)
+        sec = time_host(lambda i, x=x: ffn_block(cfg, blocks[i % count], x), sizes.min_time_s)
+        predicted = 6.0 * h * f * n / (rows[n] * 1e9) + 7 * op_us / 1e6
+        out[str(n)] = round(min(3.0, max(0.5, sec / predicted)), 4)
+    return out
+
+
 def device_section(sizes: Sizes, device, step: _Steps) -> dict:
     cuda = torch.device(device).type == "cuda"
     sec = {"gemm": gemm_table(sizes, device, step), "attention": attention_rates(sizes, device, step)}
@@ -229,9 +264,12 @@ def device_section(sizes: Sizes, device, step: _Steps) -> dict:
 
 
 def cpu_section(sizes: Sizes, progress: Progress | None, offset: float = 0.0, share: float = 1.0) -> dict:
-    n_steps = len(sizes.dtypes) * (3 * len(sizes.tokens) + 1) + 1 + 6
+    n_steps = len(sizes.dtypes) * (3 * len(sizes.tokens) + 1) + 2 + 6
     step = _Steps(n_steps, progress, offset, share)
     sec = device_section(sizes, "cpu", step)
+    step("cpu FFN block as the engine runs it")
+    sec["block_factor"] = ffn_block_factors(sizes, sec["gemm"], sec["op_overhead_us"])
     sec["threads"] = torch.get_num_threads()
+    sec["pinned_weights"] = sizes.pinned
     sec["threads_gbps"] = thread_sweep(sizes, step)
     return sec

@@ -7,19 +7,22 @@ GPU (20 TFLOP/s bf16 and fp16, 10 TFLOP/s fp32, 400 GB/s memory, 25 GB/s PCIe, 2
 beside a default CPU (30 GB/s weight streaming, 0.4 TFLOP/s bf16, 0.2 fp16, 0.6 fp32; CPU work runs at
 0.85x while copies run), so plans on "sim" are the same on every machine.
 
-Queries price work in milliseconds: `gemm_ms` (tables of achieved GFLOP/s by dtype, shape class and token
-count, interpolated log-log between measured token counts and flat past the last; the tables are made
-monotone on load so that more tokens never take less time), `attention_ms` (roofline of KV bytes read
-and FLOPs), `op_ms` (per-kernel overhead), `copy_ms` (weights over PCIe, alone or beside CPU work) and
-`move_ms` (an activation crossing between CPU and GPU).
+Queries price work in milliseconds: `gemm_ms` (tables of achieved GFLOP/s by dtype, shape class and
+token count, interpolated log-log between measured token counts and flat past the last; on load, a
+section's tables are scaled by its `block_factor` (the engine's own CPU FFN block timed against the
+tables' prediction) and made monotone, so that more tokens never take less time), `attention_ms`
+(roofline of KV bytes read and FLOPs), `op_ms` (per-kernel overhead), `copy_ms` (weights over PCIe,
+alone or beside CPU work) and `move_ms` (an activation crossing between CPU and GPU).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from bisect import bisect_right
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -58,6 +61,24 @@ def sim_profile_dict() -> dict:
             "cpu": cpu, "gpu": gpu, "link": link}
 
 
+def _factor_curve(points: dict) -> Callable[[int], float]:
+    """n -> calibration factor, log-linear between the measured token counts, flat outside."""
+    pts = sorted((math.log(int(n)), float(f)) for n, f in points.items() if int(n) >= 1 and float(f) > 0)
+    if not pts:
+        return lambda n: 1.0
+
+    def at(n: int) -> float:
+        x = math.log(max(n, 1))
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (x0, f0), (x1, f1) in itertools.pairwise(pts):
+            if x <= x1:
+                return f0 + (f1 - f0) * (x - x0) / (x1 - x0)
+        return pts[-1][1]
+
+    return at
+
+
 def _monotone_table(rows: list) -> tuple[list[float], list[float]]:
     """(log n, log rate) with time per step n / rate(n) made non-decreasing in n."""
     pts = sorted((int(n), float(r)) for n, r in rows if int(n) >= 1 and float(r) > 0)
@@ -85,9 +106,11 @@ class ProfileDatabase:
         for where, sec in (("cpu", self.cpu), ("gpu", self.gpu)):
             if sec is None:
                 continue
+            factor = _factor_curve(sec.get("block_factor") or {})
             for dtype, classes in sec["gemm"].items():
                 for cls, rows in classes.items():
-                    self._tables[(where, dtype, cls)] = _monotone_table(rows)
+                    scaled = [[n, r / factor(int(n))] for n, r in rows]
+                    self._tables[(where, dtype, cls)] = _monotone_table(scaled)
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -214,6 +237,9 @@ class ProfileDatabase:
             for dtype, r in sec["attention"].items():
                 lines.append(f"    attention {dtype}: {r['gbps']:.3g} GB/s of KV at decode, "
                              f"{r['gflops']:.3g} GFLOP/s at prefill")
+            if sec.get("block_factor"):
+                lines.append("    engine FFN block vs tables (applied): "
+                             + ", ".join(f"x{n} tokens {f:.2f}" for n, f in sec["block_factor"].items()))
             if "threads_gbps" in sec:
                 lines.append("    bf16 GEMV GB/s by threads: "
                              + ", ".join(f"{t}: {g:.1f}" for t, g in sec["threads_gbps"].items()))
@@ -274,12 +300,13 @@ def measure_profile(device: str, quick: bool = True, progress: Progress | None =
     _require_cuda(device)
     gpu_sizes = measure.GPU_QUICK if quick else measure.GPU_FULL
     with torch.cuda.device(torch.device(device)):
-        data["cpu"] = measure.cpu_section(cpu_sizes, progress, 0.0, 0.5)
+        # The executor keeps weights in pinned memory beside a GPU: the CPU computes from there.
+        data["cpu"] = measure.cpu_section(replace(cpu_sizes, pinned=True), progress, 0.0, 0.5)
         n_steps = len(gpu_sizes.dtypes) * (3 * len(gpu_sizes.tokens) + 1) + 1
         step = measure._Steps(n_steps + 4, progress, 0.5, 0.5)
         data["gpu"] = measure.device_section(gpu_sizes, device, step)
         data["gpu"]["name"] = torch.cuda.get_device_name(torch.device(device))
-        data["link"] = link_section(gpu_sizes, device, step)
+        data["link"] = link_section(replace(gpu_sizes, pinned=True), device, step)
         torch.cuda.empty_cache()
     if progress:
         progress(1.0, "done")

@@ -122,6 +122,7 @@ def test_tiny_measure(tmp_path, monkeypatch):
     assert set(data["cpu"]["gemm"]) == set(measure.DTYPES)
     assert all(len(rows) == 3 for cls in data["cpu"]["gemm"].values() for rows in cls.values())
     assert data["cpu"]["threads_gbps"] and data["cpu"]["op_overhead_us"] > 0
+    assert set(data["cpu"]["block_factor"]) == {"1", "16"}
     assert seen == sorted(seen) and seen[-1] == 1.0
     prof = ProfileDatabase(data)
     assert prof.gemm_ms("cpu", "bfloat16", "ffn", 1e6, 8) > 0
@@ -154,3 +155,18 @@ def test_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
         ProfileDatabase.for_device("cuda")
     with pytest.raises(BadInputError, match="device="):
         ProfileDatabase.for_device("tpu")
+
+
+def test_block_factor_scales_the_cpu_tables():
+    base = ProfileDatabase(sim_profile_dict())
+    data = sim_profile_dict()
+    data["cpu"]["block_factor"] = {"1": 2.0, "256": 1.0}
+    prof = ProfileDatabase(data)
+    def ms(p, n):
+        return p.gemm_ms("cpu", "bfloat16", "ffn", 1e9, n)
+
+    assert ms(prof, 1) == pytest.approx(2 * ms(base, 1))
+    assert ms(prof, 1024) == pytest.approx(ms(base, 1024))
+    times = [prof.gemm_ms("cpu", "bfloat16", "ffn", 1e9, n) for n in range(1, 300)]
+    assert all(b >= a * (1 - 1e-12) for a, b in itertools.pairwise(times))
+    assert prof.gemm_ms("gpu", "bfloat16", "ffn", 1e9, 1) == base.gemm_ms("gpu", "bfloat16", "ffn", 1e9, 1)
