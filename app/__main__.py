@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -29,10 +30,27 @@ def _quit_on_signals(quit_app) -> None:
     timer = QTimer()
     timer.timeout.connect(lambda: None)   # let Python run its signal handlers while Qt waits
     timer.start(250)
-    _quit_on_signals.timer = timer
+    return timer
 
 
-def main(argv: list[str] | None = None) -> int:
+def _tear_down(app, *objects) -> None:
+    """Delete the app's Qt objects while the QApplication still exists, not during interpreter exit
+    (PySide6 6.12.0 aborts in a refcount bug when it collects them at exit)."""
+    import gc
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    for obj in objects:
+        obj.deleteLater()
+    app.sendPostedEvents(None, 0)
+    gc.collect()
+
+
+def run_app(argv: list[str] | None = None) -> int:
+    """Run the app until it quits; returns the exit status (everything saved and closed by then)."""
+    import gc
+
     args = parse_args(argv)
     from PySide6.QtWidgets import QApplication
 
@@ -60,14 +78,28 @@ def main(argv: list[str] | None = None) -> int:
         model = str(Path(model).expanduser().resolve())
     controller = AppController(LaunchOptions(show_chat=args.show_chat, model=model, device=args.device,
                                              backend=args.backend, start_monitor=not args.no_monitor))
-    instance.messageReceived.connect(lambda _m: controller.show_chat())
-    _quit_on_signals(controller.quit)
+    instance.messageReceived.connect(controller.show_chat)   # "show-chat" from a second launch
+    timer = _quit_on_signals(controller.quit)
     controller.start()
     code = app.exec()
     controller.quit()
     instance.close()
+    timer.stop()
+    _tear_down(app, timer, controller.window, controller, instance)
+    del controller, instance, timer
+    gc.collect()
     return code
 
 
+def main(argv: list[str] | None = None) -> int:
+    """Process entry (`python -m app`, the `slipstream` command). Everything is saved and closed when
+    `run_app` returns, so the process ends there, without the interpreter's final garbage collection,
+    which PySide6 6.12.0 can abort in (a refcount bug at exit)."""
+    code = run_app(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

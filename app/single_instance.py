@@ -51,9 +51,13 @@ class SingleInstance(QObject):
     def _accept(self) -> None:
         while self._server is not None and self._server.hasPendingConnections():
             sock = self._server.nextPendingConnection()
-            sock.readyRead.connect(lambda s=sock: self._read(s))
+            sock.readyRead.connect(self._read)
+            sock.disconnected.connect(sock.deleteLater)
 
-    def _read(self, sock: QLocalSocket) -> None:
+    def _read(self) -> None:
+        sock = self.sender()
+        if not isinstance(sock, QLocalSocket):
+            return
         for line in bytes(sock.readAll()).decode(errors="replace").splitlines():
             if line.strip():
                 self.messageReceived.emit(line.strip())
