@@ -20,6 +20,7 @@ class Engine:
     """Base class of the backends. Thread-safe for `set_vram_budget`, `cancel` and the getters."""
 
     backend: str = "?"
+    supports_images: bool = False   # vision-language models set this
     tokenizer = None
     config = None
     context_length: int = 0
@@ -186,13 +187,9 @@ def _choose_backend(path: Path, device: str) -> str:
 
     if not gguf_is_quantized(path):
         return "torch"
-    try:
-        import torch
+    import torch
 
-        has_cuda = torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch is a dependency of the engine
-        has_cuda = False
-    if has_cuda and device != "cpu":
+    if torch.cuda.is_available() and device != "cpu":
         return "torch"
     try:
         import llama_cpp  # noqa: F401

@@ -54,6 +54,8 @@ class TorchEngine(Engine):
         from engine.sharding.executor import Executor
 
         self.device = resolve_device(device)
+        report = progress or (lambda fraction, message: None)
+        report(0.05, "reading the model")
         loaded = path if isinstance(path, LoadedModel) else load_model(path)
         self.source = str(loaded.source)
         self.file_type = loaded.file_type
@@ -71,8 +73,10 @@ class TorchEngine(Engine):
         else:
             index = int(self.device.split(":")[1]) if ":" in self.device else 0
             self.accel = Accelerator("sim" if self.device == "sim" else "cuda", index)
+        report(0.6, "packing weights into host memory")
         self.executor = Executor(cfg, loaded.weights, self.accel, self.dtype)
         del loaded
+        report(0.85, "planning placement for the VRAM budget")
         self.tiers = tuple(sorted(tiers))
         self._forced = "auto"
         self._planner = None
@@ -87,6 +91,7 @@ class TorchEngine(Engine):
         if kind != "auto":
             self.force_plan(kind)
         self._set_budget_now(self._initial_budget(vram_budget), "open")
+        report(1.0, "ready")
 
     # ---- budget and plans ----------------------------------------------------------------------
     def _kv_capacity(self, tokens: int) -> int:
@@ -152,7 +157,9 @@ class TorchEngine(Engine):
         return True
 
     def set_vram_budget(self, n_bytes) -> None:
-        budget = parse_bytes(n_bytes, "vram_budget")
+        """Re-plan for a new budget (bytes or "4GiB"; None = what the driver reports free, less a
+        reserve). Safe from any thread: mid-generation it takes effect at the next sub-layer boundary."""
+        budget = self._initial_budget(None) if n_bytes is None else parse_bytes(n_bytes, "vram_budget")
         if budget > 0 and self.accel is None:
             # A CPU-only engine has no VRAM to use; the budget is recorded and has no effect.
             self.budget = budget
@@ -209,8 +216,8 @@ class TorchEngine(Engine):
         raise BudgetError("could not run a step within any budget")
 
     def _run(self, seq: Sequence, ids: list[int], all_logits: bool) -> torch.Tensor:
-        """Feed `ids` in chunks no larger than the largest tier."""
-        chunk = self.tiers[-1]
+        """Feed `ids` in chunks of the planner's best step size (the tier with the best time per token)."""
+        chunk = self.planset.step_tokens or self.tiers[-1]
         outs = []
         for i in range(0, len(ids), chunk):
             outs.append(self._step(seq, ids[i:i + chunk], all_logits))

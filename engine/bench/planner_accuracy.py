@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from engine.bench.gpu_common import open_shape, write_report
+from engine.errors import BudgetError
 from engine.sharding.kvcache import Sequence
 from engine.units import parse_bytes
 
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         for kind in KINDS:
             try:
                 ps = planner.plan(budget, kv_tokens=eng.kv_tokens, force_kind=kind)
-            except Exception as exc:  # a kind that cannot fit this budget
+            except BudgetError as exc:  # a kind that cannot fit this budget
                 print(f"{budget >> 20} MiB {kind}: no plan ({exc})", file=sys.stderr)
                 continue
             eng.planset = ps

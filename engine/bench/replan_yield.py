@@ -30,6 +30,12 @@ def decode_rate(eng, n_tokens: int, skip: int = 3) -> float:
     return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
 
+def drop_seen(samples, t_call: float, before: int, settled: int):
+    """The first NVML sample after the call showing 90% of the eventual drop (None if none did)."""
+    threshold = before - 0.9 * (before - settled)
+    return next((s for s in samples if s[0] >= t_call and s[1] <= threshold), None)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama3-8b")
@@ -61,14 +67,14 @@ def main(argv=None) -> int:
         drop_at["returned"] = time.perf_counter()
         t.join()
     own_before = before[1]
-    freed_target = own_before - (high - low) * 0.9    # most of the difference handed back
-    seen = next((s for s in poll.samples if s[0] >= drop_at["call"] and s[1] <= freed_target), None)
+    settled = poll.samples[-1][1]                     # this process's VRAM once the drop has settled
+    seen = drop_seen(poll.samples, drop_at["call"], own_before, settled)
     replan = eng.replans[-1]
     after = [s for s in stamps if s > drop_at["call"]][3:]
     rate_after = (len(after) - 1) / (after[-1] - after[0]) if len(after) > 2 else float("nan")
     report_live = eng.plan_report()
     eng.close()
-    del eng
+    eng = None
 
     fresh = open_shape(args.shape, low)
     list(fresh.generate("x" * PROMPT_TOKENS, max_new_tokens=4))
@@ -79,7 +85,7 @@ def main(argv=None) -> int:
     rows = {
         "shape": args.shape, "high_budget": high, "low_budget": low,
         "nvml_own_before_bytes": own_before,
-        "nvml_own_after_bytes": seen[1] if seen else None,
+        "nvml_own_after_bytes": settled,
         "ms_call_to_nvml_drop": (seen[0] - drop_at["call"]) * 1e3 if seen else None,
         "ms_set_vram_budget_call": (drop_at["returned"] - drop_at["call"]) * 1e3,
         "engine_replan_ms": replan["replan_ms"],

@@ -9,7 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.commands.common import add_model_arguments, add_sampling_arguments, open_from_args, sampling_kwargs
+from engine.commands.common import (
+    add_model_arguments,
+    add_sampling_arguments,
+    open_from_args,
+    sampling_kwargs,
+)
 from engine.errors import SlipstreamError
 
 

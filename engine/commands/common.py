@@ -33,5 +33,5 @@ def open_from_args(args):
 
 
 def sampling_kwargs(args) -> dict:
-    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                top_k=args.top_k, stop=args.stop, seed=args.seed)
+    return {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p,
+                "top_k": args.top_k, "stop": args.stop, "seed": args.seed}

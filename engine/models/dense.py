@@ -26,7 +26,7 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
 
     kv_write(k, v): stores this step's keys/values ([kv_heads, n, head_dim] each).
     kv_read() -> (K, V): all cached keys/values including this step's, [kv_heads, L, head_dim].
-    mask: bool [n, L] (True = may attend) or None for "attend to everything" (a single new token).
+    mask: see `attention_mask`: None, "causal", or bool [n, L] (True = may attend).
     """
     n = x.shape[0]
     h = rms_norm(x, w["attn_norm.weight"], cfg.rms_norm_eps)
@@ -47,11 +47,25 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
     k = apply_rotary(k, cos, sin)
     kv_write(k, v)
     keys, values = kv_read()
-    out = F.scaled_dot_product_attention(q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                                         attn_mask=None if mask is None else mask[None, None],
-                                         enable_gqa=cfg.num_kv_heads != cfg.num_heads)
-    out = out[0].transpose(0, 1).reshape(n, cfg.q_size)
+    out = _attend(q, keys, values, mask, cfg.num_kv_heads != cfg.num_heads)
+    out = out.transpose(0, 1).reshape(n, cfg.q_size)
     return x + F.linear(out, w["o.weight"])
+
+
+def _attend(q, keys, values, mask, gqa: bool) -> torch.Tensor:
+    """Scaled dot-product attention through PyTorch's fused kernels, never a full score matrix on the
+    GPU: a causal step over an empty cache uses `is_causal` (flash); a masked step expands the KV heads
+    (the memory-efficient kernel takes a mask but not grouped heads)."""
+    q, keys, values = q.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0)
+    if isinstance(mask, str) and mask == "causal":
+        return F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=gqa)[0]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)[0]
+    if gqa and q.device.type == "cuda":
+        rep = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], enable_gqa=gqa)[0]
 
 
 def ffn_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -77,12 +91,16 @@ def output_head(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -
     return F.linear(h, head).float()
 
 
-def attention_mask(n_new: int, start: int, sliding_window: int | None, device) -> torch.Tensor | None:
-    """bool [n_new, start + n_new]: query i (position start+i) sees keys at positions <= start+i
-    (and within the sliding window). None where every query may see every key."""
+def attention_mask(n_new: int, start: int, sliding_window: int | None, device):
+    """What query i (position start+i) may see: None (everything: a single new token), "causal" (keys at
+    positions <= its own over an empty cache), or a bool [n_new, start + n_new] mask (a cache already
+    holds tokens, or a sliding window cuts in)."""
     total = start + n_new
-    if n_new == 1 and (sliding_window is None or total <= sliding_window):
+    windowed = sliding_window is not None and total > sliding_window
+    if n_new == 1 and not windowed:
         return None
+    if start == 0 and not windowed:
+        return "causal"
     q_pos = torch.arange(start, total, device=device)[:, None]
     k_pos = torch.arange(total, device=device)[None, :]
     mask = k_pos <= q_pos

@@ -22,6 +22,7 @@ from engine.models import dense
 from engine.models.rope import RotaryTable
 from engine.sharding.device import Accelerator
 from engine.sharding.kvcache import BLOCK_SIZE, PagedKVCache, Sequence
+from engine.sharding.memory import HEAD_ROWS_MAX as HEAD_ROWS
 from engine.sharding.plan import Placement, Plan
 
 
@@ -154,7 +155,8 @@ class Executor:
         masks = {torch.device("cpu"): dense.attention_mask(n, start, cfg.sliding_window, "cpu")}
         if gpu is not None and gpu.type != "cpu":
             cos_sin[gpu] = tuple(t.to(gpu) for t in cos_sin[torch.device("cpu")])
-            masks[gpu] = None if masks[torch.device("cpu")] is None else masks[torch.device("cpu")].to(gpu)
+            m = masks[torch.device("cpu")]
+            masks[gpu] = m.to(gpu) if isinstance(m, torch.Tensor) else m
         x = torch.tensor(ids, dtype=torch.long)
         streamed = self._streamed_order() if self.accel is not None else []
         if streamed:
@@ -172,7 +174,7 @@ class Executor:
             if name == "embed":
                 x = dense.embed_tokens(w, x)
             elif name == "head":
-                x = dense.output_head(cfg, w, x if all_logits else x[-1:])
+                x = self._head(w, x if all_logits else x[-1:])
             elif name.endswith(".attn"):
                 layer = int(name.split(".")[1])
                 x = self._attention(layer, w, x, seq, start, cos_sin[dev], masks[dev])
@@ -183,6 +185,14 @@ class Executor:
         seq.length = start + n
         seq.token_ids.extend(ids)
         return self._move(x, False)
+
+    def _head(self, w, x: torch.Tensor) -> torch.Tensor:
+        """Logits in chunks of HEAD_ROWS rows, each moved to the CPU at once, so the float32 logits of a
+        long input never pile up in VRAM (the scratch budget covers one chunk)."""
+        if x.shape[0] <= HEAD_ROWS:
+            return dense.output_head(self.cfg, w, x)
+        return torch.cat([self._move(dense.output_head(self.cfg, w, x[i:i + HEAD_ROWS]), False)
+                          for i in range(0, x.shape[0], HEAD_ROWS)])
 
     def _attention(self, layer, w, x, seq, start, cos_sin, mask):
         want_gpu = self.plan.placement[f"layers.{layer}.attn"] is not Placement.CPU

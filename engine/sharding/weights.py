@@ -8,6 +8,7 @@ full PCIe speed on the copy engine). A `resident` sub-layer also has a VRAM copy
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,7 @@ class SubLayerWeights:
         slots = self._slots(parts)
         if len(slots) != len(parts) or len({(s.dtype, s.shape[1:]) for s in slots}) != 1:
             return None
-        if any(a.offset + a.nbytes != b.offset for a, b in zip(slots, slots[1:])):
+        if any(a.offset + a.nbytes != b.offset for a, b in itertools.pairwise(slots)):
             return None
         return slots[0], sum(s.shape[0] for s in slots)
 
