@@ -114,12 +114,12 @@ def test_open_errors_name_the_path(tmp_path):
 def test_cli_prints_one_line_errors(tmp_path, tiny_model):
     run = [sys.executable, "-m", "engine", "generate", "--backend", "torch", "--device", "cpu"]
     missing = subprocess.run(run + ["--prompt", "hi", "--model", str(tmp_path / "x.gguf")],
-                             capture_output=True, text=True)
+                             capture_output=True, text=True, check=False)
     assert missing.returncode == 2
     assert missing.stderr.strip().count("\n") == 0 and "no such file" in missing.stderr
     long = subprocess.run(run + ["--prompt", "word " * 5000, "--model", str(tiny_model("llama"))],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     assert long.returncode == 2 and "Traceback" not in long.stderr and "context" in long.stderr
     ok = subprocess.run(run + ["--prompt", "hello", "--max-new-tokens", "4", "--model", str(tiny_model("llama"))],
-                        capture_output=True, text=True)
+                        capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
