@@ -26,6 +26,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 DEFAULT_CONTEXT = 8192
 SIM_DEFAULT_BUDGET = 1 << 40     # "sim" without a budget: a notional GPU with room for everything
 INITIAL_KV_TOKENS = 2048
+SPEC_TOKENS = 6           # most tokens an n-gram proposal adds to a step
+SPEC_MAX_COST = 1.3       # speculate when a step of SPEC_TOKENS + 1 tokens is predicted under 1.3x one
 
 
 def resolve_device(device: str) -> str:
@@ -47,7 +49,7 @@ class TorchEngine(Engine):
 
     def __init__(self, path, *, device: str = "auto", vram_budget=None, n_ctx: int | None = None,
                  tiers: tuple[int, ...] = DEFAULT_TIERS, kind: str = "auto", profile=None,
-                 progress=None):
+                 progress=None, speculative: bool | None = None):
         super().__init__()
         from engine.loading import LoadedModel, load_model
         from engine.sharding.device import Accelerator
@@ -86,6 +88,8 @@ class TorchEngine(Engine):
         self._budget_lock = threading.Lock()
         self._session = Sequence()                # the conversation's KV (prefix reused across turns)
         self.replans: list[dict] = []             # history of re-plans (time, budget, reason, ms)
+        self.speculative = speculative            # None: on where the plans say it pays (greedy only)
+        self.spec_stats = {"proposed": 0, "accepted": 0}
         self.executor.between_sublayers = self._apply_pending_budget
         self.budget = 0
         if kind != "auto":
@@ -192,6 +196,7 @@ class TorchEngine(Engine):
         s = super().stats()
         s.update(budget=self.budget, plan=self.executor.plan.kind if self.executor.plan else None,
                  streamed_bytes=self.executor.copied_bytes, replans=len(self.replans),
+                 spec_proposed=self.spec_stats["proposed"], spec_accepted=self.spec_stats["accepted"],
                  last_replan_ms=self.replans[-1]["replan_ms"] if self.replans else None)
         return s
 
@@ -235,6 +240,9 @@ class TorchEngine(Engine):
         self.executor.kv.truncate(seq, common)
         sampler = Sampler(params)
         logits = self._run(seq, ids[common:], False)[-1]
+        if params.temperature == 0 and self._speculation_pays():
+            yield from self._speculative_stream(seq, ids, int(torch.argmax(logits)), cancel)
+            return
         for _ in range(params.max_new_tokens):
             tid = sampler(logits)
             yield tid
@@ -243,6 +251,46 @@ class TorchEngine(Engine):
             if seq.length + 1 >= self.context_length:
                 return
             logits = self._step(seq, [tid], False)[-1]
+
+    # ---- n-gram speculative decoding (greedy only: output identical to plain decoding) ----------
+    def _speculation_pays(self) -> bool:
+        """On where verifying SPEC_TOKENS + 1 tokens costs about as much as one (weights streamed or
+        computed from host memory dominate a step); `speculative=True/False` at open forces it."""
+        if self.speculative is not None:
+            return self.speculative
+        if self.accel is None or self.planset is None:
+            return False
+        one = self.planset.for_tokens(1).predicted_ms
+        many = self.planset.for_tokens(SPEC_TOKENS + 1).predicted_ms
+        return one > 0 and many / one < SPEC_MAX_COST
+
+    def _speculative_stream(self, seq: Sequence, ids: list[int], first: int, cancel: CancelToken) -> Iterator[int]:
+        from engine.speculative import NgramIndex, accepted_prefix
+
+        index = NgramIndex()
+        index.extend(ids + [first])
+        tid = first
+        eos = self.tokenizer.eos_token_ids
+        while True:
+            yield tid
+            if cancel.cancelled or tid in eos or seq.length + 1 >= self.context_length:
+                return
+            room = self.context_length - seq.length - 1
+            proposal = index.propose(min(SPEC_TOKENS, room))
+            start = seq.length
+            logits = self._step(seq, [tid] + proposal, bool(proposal))
+            greedy = torch.argmax(logits, dim=-1).tolist()
+            n_ok = accepted_prefix(proposal, greedy)
+            self.spec_stats["proposed"] += len(proposal)
+            self.spec_stats["accepted"] += n_ok
+            if n_ok < len(proposal):          # drop the KV of the rejected proposals
+                self.executor.kv.truncate(seq, start + 1 + n_ok)
+            for t in proposal[:n_ok]:
+                yield t
+                if cancel.cancelled or t in eos:
+                    return
+            tid = greedy[n_ok] if proposal else greedy[-1]
+            index.extend(proposal[:n_ok] + [tid])
 
     @torch.inference_mode()
     def score(self, token_ids) -> torch.Tensor:
