@@ -1,0 +1,11 @@
+"""The local OpenAI-compatible HTTP API (`python -m engine serve`, or inside the app's worker).
+
+`auth` (the key and its check), `gate` (one generation at a time, first come first served),
+`openai_schema` (request validation), `responses` (OpenAI objects), `runner` (the engine behind the
+gate), `handler` (HTTP), `server` (`ApiServer`).
+"""
+
+from engine.serve.runner import EngineSlot
+from engine.serve.server import DEFAULT_PORT, ApiServer
+
+__all__ = ["DEFAULT_PORT", "ApiServer", "EngineSlot"]
