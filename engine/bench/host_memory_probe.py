@@ -67,7 +67,8 @@ def main() -> int:
         r.copy_(src.view(-1).view(torch.uint8))
         kinds["hugepage+cudaHostRegister"] = r.view(torch.bfloat16).view(ROWS, COLS)
     try:
-        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().strip()
     except OSError:
         thp = "unknown"
     print(f"threads {torch.get_num_threads()}; THP {thp}")
