@@ -191,8 +191,7 @@ def _choose_backend(path: Path, device: str) -> str:
 
     if torch.cuda.is_available() and device != "cpu":
         return "torch"
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return "torch"
-    return "llamacpp"
+    import importlib.util
+
+    # Found, not imported: the llama.cpp backend sets its thread wait policy before llama.cpp loads.
+    return "llamacpp" if importlib.util.find_spec("llama_cpp") is not None else "torch"
