@@ -86,7 +86,6 @@ class TorchEngine(Engine):
         self.planset = None
         self._pending_budget: int | None = None
         self._budget_lock = threading.Lock()
-        self._session = Sequence()                # the conversation's KV (prefix reused across turns)
         self.replans: list[dict] = []             # history of re-plans (time, budget, reason, ms)
         self.speculative = speculative            # None: on where the plans say it pays (greedy only)
         self.spec_stats = {"proposed": 0, "accepted": 0}
@@ -194,9 +193,12 @@ class TorchEngine(Engine):
 
     def stats(self) -> dict:
         s = super().stats()
+        kv = self.executor.kv
         s.update(budget=self.budget, plan=self.executor.plan.kind if self.executor.plan else None,
                  streamed_bytes=self.executor.copied_bytes, replans=len(self.replans),
                  spec_proposed=self.spec_stats["proposed"], spec_accepted=self.spec_stats["accepted"],
+                 prefix_hit_tokens=kv.prefix_stats["hit_tokens"],
+                 prefix_hit_rate=kv.prefix_stats["hit_tokens"] / max(kv.prefix_stats["prompt_tokens"], 1),
                  last_replan_ms=self.replans[-1]["replan_ms"] if self.replans else None)
         return s
 
@@ -231,26 +233,26 @@ class TorchEngine(Engine):
     @torch.inference_mode()
     def _token_stream(self, ids: list[int], params: SamplingParams, cancel: CancelToken,
                       images) -> Iterator[int]:
-        seq = self._session
-        common = 0
-        for a, b in zip(seq.token_ids, ids[:-1]):   # reuse the conversation's cached prefix
-            if a != b:
-                break
-            common += 1
-        self.executor.kv.truncate(seq, common)
-        sampler = Sampler(params)
-        logits = self._run(seq, ids[common:], False)[-1]
-        if params.temperature == 0 and self._speculation_pays():
-            yield from self._speculative_stream(seq, ids, int(torch.argmax(logits)), cancel)
-            return
-        for _ in range(params.max_new_tokens):
-            tid = sampler(logits)
-            yield tid
-            if cancel.cancelled or tid in self.tokenizer.eos_token_ids:
+        seq = Sequence()
+        try:
+            # Blocks this prompt shares with an earlier one (the conversation so far) are reused.
+            common = self.executor.kv.match_prefix(seq, ids)
+            sampler = Sampler(params)
+            logits = self._run(seq, ids[common:], False)[-1]
+            if params.temperature == 0 and self._speculation_pays():
+                yield from self._speculative_stream(seq, ids, int(torch.argmax(logits)), cancel)
                 return
-            if seq.length + 1 >= self.context_length:
-                return
-            logits = self._step(seq, [tid], False)[-1]
+            for _ in range(params.max_new_tokens):
+                tid = sampler(logits)
+                yield tid
+                if cancel.cancelled or tid in self.tokenizer.eos_token_ids:
+                    return
+                if seq.length + 1 >= self.context_length:
+                    return
+                logits = self._step(seq, [tid], False)[-1]
+        finally:
+            if self.executor is not None:
+                self.executor.kv.release(seq)     # its full blocks stay cached for the next turn
 
     # ---- n-gram speculative decoding (greedy only: output identical to plain decoding) ----------
     def _speculation_pays(self) -> bool:
@@ -306,10 +308,7 @@ class TorchEngine(Engine):
         if bad:
             raise BadInputError(f"score: token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
         with self._lock:
-            # Scoring recomputes from scratch in the session's own blocks (the conversation's cached
-            # prefix is dropped; the next turn recomputes it), so the KV cache never outgrows its plan.
-            seq = self._session
-            self.executor.kv.release(seq)
+            seq = Sequence()      # every position's logits are wanted: nothing is taken from the cache
             try:
                 return self._run(seq, ids, True)
             finally:

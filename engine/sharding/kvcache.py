@@ -3,12 +3,17 @@ attention runs.
 
 Logical block ids are shared by all layers (one block table per sequence); every layer keeps its keys
 and values in a pool indexed by those ids, on the GPU (booked under "kv") or in host memory. Re-planning
-moves a layer's blocks between the two one by one; a sequence grows block by block and can be cut back
-to a prefix (a new chat turn keeps the conversation's blocks).
+moves a layer's blocks between the two one by one; a sequence grows block by block and can be cut back.
+
+Prefix caching: a full block is known by the hash of (its parent block's hash, its tokens). A sequence
+that is released leaves its full blocks cached (reference count 0, least recently used first out); a new
+sequence whose tokens start the same way takes those blocks instead of recomputing them, so a new chat
+turn, or a return to an older conversation, only computes what is new.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +31,15 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     length: int = 0                 # tokens whose K/V are stored
     token_ids: list[int] = field(default_factory=list)
+
+
+def block_hashes(token_ids: list[int]) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids`."""
+    out, parent = [], 0
+    for i in range(len(token_ids) // BLOCK_SIZE):
+        parent = hash((parent, tuple(token_ids[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])))
+        out.append(parent)
+    return out
 
 
 class LayerPool:
@@ -54,6 +68,11 @@ class PagedKVCache:
         self.pools = [LayerPool((cfg.num_kv_heads, cfg.head_dim), dtype) for _ in range(cfg.num_layers)]
         self.free_blocks: list[int] = []
         self.n_blocks = 0           # logical blocks handed out so far (capacity of every pool)
+        self.refs: dict[int, int] = {}                      # block -> sequences using it
+        self.hash_of: dict[int, int] = {}                   # cached full block -> its chain hash
+        self.block_of: dict[int, int] = {}                  # chain hash -> cached block
+        self.evictable: OrderedDict[int, None] = OrderedDict()   # cached, unused; oldest first
+        self.prefix_stats = {"lookups": 0, "prompt_tokens": 0, "hit_tokens": 0}
         self.block_bytes = self.pools[0].block_bytes() if self.pools else 0
 
     # ---- block allocation ----------------------------------------------------------------------
@@ -89,23 +108,70 @@ class PagedKVCache:
         if old_bytes > new_bytes:
             self.accel.unbook(old_bytes - new_bytes, "kv")
 
+    def _take_block(self) -> int:
+        if not self.free_blocks and not self.evictable:
+            self._grow(self.n_blocks + 1)
+        if self.free_blocks:
+            self.free_blocks.sort()       # lowest ids first keeps a lone sequence's blocks contiguous
+            return self.free_blocks.pop(0)
+        block, _ = self.evictable.popitem(last=False)      # least recently used cached block
+        del self.block_of[self.hash_of.pop(block)]
+        return block
+
     def reserve(self, seq: Sequence, n_new: int) -> None:
         """Give `seq` blocks for `n_new` more tokens."""
         need = -(-(seq.length + n_new) // BLOCK_SIZE) - len(seq.block_table)
         if need <= 0:
             return
-        if len(self.free_blocks) < need:
-            self._grow(self.n_blocks + need - len(self.free_blocks))
-        # Lowest ids first keeps a lone sequence's blocks contiguous (reads then need no gather).
-        self.free_blocks.sort()
-        seq.block_table.extend(self.free_blocks[:need])
-        del self.free_blocks[:need]
+        spare = len(self.free_blocks) + len(self.evictable)
+        if spare < need:
+            self._grow(self.n_blocks + need - spare)
+        for _ in range(need):
+            block = self._take_block()
+            self.refs[block] = 1
+            seq.block_table.append(block)
+
+    def match_prefix(self, seq: Sequence, token_ids: list[int]) -> int:
+        """Start an empty `seq` with the cached blocks of the longest cached prefix of `token_ids` (at
+        least one token is always left to compute). Returns the number of tokens reused."""
+        assert not seq.block_table
+        usable = (len(token_ids) - 1) // BLOCK_SIZE
+        for h in block_hashes(token_ids[:usable * BLOCK_SIZE]):
+            block = self.block_of.get(h)
+            if block is None:
+                break
+            self.evictable.pop(block, None)
+            self.refs[block] = self.refs.get(block, 0) + 1
+            seq.block_table.append(block)
+        seq.length = len(seq.block_table) * BLOCK_SIZE
+        seq.token_ids = list(token_ids[:seq.length])
+        self.prefix_stats["lookups"] += 1
+        self.prefix_stats["prompt_tokens"] += len(token_ids)
+        self.prefix_stats["hit_tokens"] += seq.length
+        return seq.length
+
+    def _drop(self, block: int, h: int | None) -> None:
+        """One sequence stops using `block`; full blocks with a hash stay cached."""
+        self.refs[block] -= 1
+        if self.refs[block] > 0:
+            return
+        del self.refs[block]
+        if h is not None and block not in self.hash_of and h not in self.block_of:
+            self.hash_of[block], self.block_of[h] = h, block
+        if block in self.hash_of:
+            self.evictable[block] = None
+            self.evictable.move_to_end(block)
+        else:
+            self.free_blocks.append(block)
 
     def truncate(self, seq: Sequence, length: int) -> None:
-        """Keep the first `length` tokens of `seq`, free the blocks past them."""
+        """Keep the first `length` tokens of `seq`; blocks past them leave the sequence (full ones stay
+        cached for a later sequence that starts the same way)."""
         length = min(length, seq.length)
         keep = -(-length // BLOCK_SIZE)
-        self.free_blocks.extend(seq.block_table[keep:])
+        hashes = block_hashes(seq.token_ids[:seq.length])
+        for i in range(len(seq.block_table) - 1, keep - 1, -1):
+            self._drop(seq.block_table[i], hashes[i] if i < len(hashes) else None)
         del seq.block_table[keep:]
         seq.length = length
         del seq.token_ids[length:]
@@ -123,14 +189,12 @@ class PagedKVCache:
     def gpu_bytes(self) -> int:
         return sum(p.capacity * p.block_bytes() for p in self.pools if p.on_gpu)
 
-    def shrink_to_fit(self, seqs: list[Sequence]) -> None:
-        """Drop free blocks at the end of the pools (after sequences were released)."""
-        used = max((max(s.block_table) + 1 for s in seqs if s.block_table), default=0)
-        if used < self.n_blocks:
-            for i, pool in enumerate(self.pools):
-                self._resize(i, pool, used, pool.on_gpu)
-            self.free_blocks = [b for b in self.free_blocks if b < used]
-            self.n_blocks = used
+    def forget_cached(self) -> None:
+        """Drop every cached (unused) block: they become free blocks."""
+        for block in list(self.evictable):
+            del self.block_of[self.hash_of.pop(block)]
+            self.free_blocks.append(block)
+        self.evictable.clear()
 
     # ---- reads and writes ----------------------------------------------------------------------
     def write(self, layer: int, seq: Sequence, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -165,3 +229,4 @@ class PagedKVCache:
             pool.k = pool.v = None
             pool.on_gpu = False
         self.free_blocks, self.n_blocks = [], 0
+        self.refs.clear(), self.hash_of.clear(), self.block_of.clear(), self.evictable.clear()
