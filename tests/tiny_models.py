@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 BOS, EOS, IM_START, IM_END, PAD = "<|bos|>", "<|eos|>", "<|im_start|>", "<|im_end|>", "<|pad|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END, PAD]
@@ -66,6 +66,12 @@ _ARCH_DEFAULTS: dict[str, dict] = {
     "mistral": {"sliding_window": None},
     "qwen2": {"rope_theta": 1000000.0, "tie_word_embeddings": True},
     "qwen3": {"rope_theta": 1000000.0, "attention_bias": False},
+    # Mixtures of experts: 8 experts, top-2 (qwen3_moe's experts narrower than its dense FFN width).
+    "qwen3_moe": {"rope_theta": 1000000.0, "attention_bias": False, "num_experts": 8, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 48, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                  "mlp_only_layers": []},
+    "mixtral": {"rope_theta": 1000000.0, "num_local_experts": 8, "num_experts_per_tok": 2,
+                "intermediate_size": 64, "sliding_window": None},
 }
 
 
@@ -78,7 +84,8 @@ _BYTE_SPLITS = {  # the pre-tokenizer regexes of Llama-3 and Qwen2 (tokenizer.js
 }
 # Tokenizer style per arch, as the real families ship them: Llama-2/Mistral SentencePiece-style BPE,
 # Llama-3 byte-level BPE, Qwen2 byte-level BPE with NFC.
-TOKENIZER_STYLE = {"llama": "spm", "mistral": "spm", "llama3": "llama3", "qwen2": "qwen2", "qwen3": "qwen2"}
+TOKENIZER_STYLE = {"llama": "spm", "mistral": "spm", "llama3": "llama3", "qwen2": "qwen2", "qwen3": "qwen2",
+                   "qwen3_moe": "qwen2", "mixtral": "spm"}
 
 
 def build_tokenizer(style: str = "llama3", add_bos: bool = True):
@@ -188,7 +195,7 @@ def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, dtype: str = 
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    add_bos = arch in ("llama", "llama3", "mistral")
+    add_bos = arch in ("llama", "llama3", "mistral", "mixtral")
     ids = _write_tokenizer(folder, TOKENIZER_STYLE[arch], add_bos=add_bos)
 
     kwargs = {**_BASE, **_ARCH_DEFAULTS[arch], **config_overrides}
@@ -367,3 +374,80 @@ def make_tiny_gguf(hf_folder: str | Path, path: str | Path, qtype: str = "F32") 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# ---- Qwen2.5-VL (vision-language): a tiny random model + processor config -------------------------
+
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+VL_SPECIAL_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
+
+# Qwen2.5-VL's chat template, reduced to what the tests need: string contents, or lists of
+# {"type": "text"} / {"type": "image"} parts (an image part renders as vision_start, image_pad, vision_end).
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# The vision tower: 3 blocks (block 1 full attention, 0 and 2 windowed), hidden 32 over 2 heads,
+# patch 14, merge 2; window_size 56 px = 2x2 merged tokens (4x4 patches), so every test image is split
+# into several windows. The processor keeps images between 56x56 and ~224x224 pixels (fast tests).
+VL_VISION = {"depth": 3, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 14,
+             "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1],
+             "in_channels": 3, "tokens_per_second": 2, "hidden_act": "silu"}
+VL_MIN_PIXELS, VL_MAX_PIXELS = 56 * 56, 28 * 28 * 64
+
+
+def make_tiny_qwen2_5_vl(path: str | Path, *, seed: int = 0, dtype: str = "float32", vision: dict | None = None,
+                         min_pixels: int = VL_MIN_PIXELS, max_pixels: int = VL_MAX_PIXELS,
+                         **text_overrides) -> Path:
+    """Write a tiny random Qwen2.5-VL folder (Qwen2_5_VLForConditionalGeneration.save_pretrained, a
+    byte-level BPE tokenizer with the vision special tokens, a chat template that places image parts,
+    preprocessor_config.json with small min/max pixels) into `path`; returns the path."""
+    import torch
+    from tokenizers import AddedToken
+    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer("qwen2", add_bos=False)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VL_SPECIAL_TOKENS])
+    tok.save(str(folder / "tokenizer.json"))
+    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": IM_END,
+               "pad_token": PAD, "unk_token": None, "clean_up_tokenization_spaces": False,
+               "model_max_length": 1024, "chat_template": VL_CHAT_TEMPLATE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + VL_SPECIAL_TOKENS}
+    vocab = tok.get_vocab_size()
+
+    text = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+            "rms_norm_eps": 1e-6, "initializer_range": 0.1, "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+            "bos_token_id": ids[BOS], "eos_token_id": ids[IM_END], "pad_token_id": ids[PAD]}
+    text.update(text_overrides)
+    vis = {**VL_VISION, "out_hidden_size": text["hidden_size"], "initializer_range": 0.1, **(vision or {})}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vis, image_token_id=ids[IMAGE_PAD],
+                              video_token_id=ids[VIDEO_PAD], vision_start_token_id=ids[VISION_START],
+                              vision_end_token_id=ids[VISION_END], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    _perturb_(model, seed)
+    model = model.to(getattr(torch, dtype)).eval()
+    model.generation_config = GenerationConfig(bos_token_id=ids[BOS], eos_token_id=[ids[IM_END]],
+                                               pad_token_id=ids[PAD])
+    model.save_pretrained(folder)
+    pre = {"image_processor_type": "Qwen2VLImageProcessor", "min_pixels": min_pixels, "max_pixels": max_pixels,
+           "patch_size": vis["patch_size"], "temporal_patch_size": vis["temporal_patch_size"],
+           "merge_size": vis["spatial_merge_size"], "do_convert_rgb": True, "do_rescale": True,
+           "rescale_factor": 1 / 255, "do_normalize": True, "resample": 3,
+           "image_mean": [0.48145466, 0.4578275, 0.40821073], "image_std": [0.26862954, 0.26130258, 0.27577711]}
+    (folder / "preprocessor_config.json").write_text(json.dumps(pre, indent=2))
+    return folder
