@@ -191,6 +191,8 @@ def make_tiny_model(arch: str, path: str | Path, *, seed: int = 0, dtype: str = 
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    if arch == "qwen2_5_vl":   # the vision-language builder (not in ARCHS: the text-only tests loop over those)
+        return make_tiny_qwen2_5_vl(path, seed=seed, dtype=dtype, **config_overrides)
     if arch not in ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {ARCHS}")
     folder = Path(path)

@@ -30,7 +30,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.models.vision.qwen2_5_vl_processor import ImageProcessorConfig, image_token_count, preprocess_images
+from engine.models.vision.qwen2_5_vl_processor import (
+    ImageProcessorConfig,
+    image_token_count,
+    preprocess_images,
+)
 
 DEFAULT_ATTN_MEM_CAP = 256 * 1024 * 1024   # bytes of attention scores per SDPA call
 VISION_NORM_EPS = 1e-6
