@@ -11,6 +11,9 @@ rises only to the lowest room seen over that hold, so a loading screen's spikes 
 thrash. Every new budget sits `slack` below the room it was set from, so a process creeping up by a few
 MiB does not re-plan the engine at every sample. The user's own changes (mode, cap, reserve) apply at
 the next sample, without a hold. Time comes in as an argument: the policy is a pure state machine.
+
+`total_cap` treats the GPU as holding at most that many bytes (a client card's size when a benchmark
+runs on a larger one): every sample's total is min(total, total_cap).
 """
 
 from __future__ import annotations
@@ -41,8 +44,10 @@ class BudgetPolicy:
     """Thread-safe: the setters may be called from the UI while the sampling thread calls `update`."""
 
     def __init__(self, mode: str = "auto", user_cap: int | str | None = None, reserve: int | str = 1 << 30,
-                 hold_s: float = 3.0, hysteresis: int | str = 512 << 20, slack: int | str = 128 << 20) -> None:
+                 hold_s: float = 3.0, hysteresis: int | str = 512 << 20, slack: int | str = 128 << 20,
+                 total_cap: int | str | None = None) -> None:
         self._lock = threading.Lock()
+        self.total_cap = None if total_cap is None else parse_size(total_cap)
         self._mode = _check_mode(mode)
         self._cap = None if user_cap is None else parse_size(user_cap)
         self._reserve = parse_size(reserve)
@@ -104,6 +109,8 @@ class BudgetPolicy:
                cause: str = "") -> BudgetEvent | None:
         """One sample of the budget's GPU. Returns an event when budget, pause or mode changed."""
         with self._lock:
+            if self.total_cap is not None:
+                total = min(total, self.total_cap)
             room = max(0, total - others - self._reserve)
             moved = self._follow_room(now, room, cause, others)
             pause_reason = self._follow_games(now, gaming, gaming_reason)
