@@ -1,5 +1,6 @@
 """`AppController`: builds the app's parts and wires them together — settings, secrets, conversation
-store, the engine worker, the VRAM monitor, the budget, the chat window and the tray menu.
+store, the engine worker, the VRAM monitor, the budget, the chat window and the tray menu, and the
+local OpenAI-compatible API, which the worker serves on the loaded model when Settings turn it on.
 
 Launch never waits on the engine: the window is shown at once and the worker starts and loads the
 model in the background, with progress in the status bar.
@@ -21,12 +22,19 @@ from app.format import format_bytes, format_rate, format_seconds
 from app.live_state import LiveState
 from app.model_catalog import discover_models, label_for
 from app.monitor_bridge import MonitorBridge
-from app.secret_store import SecretStore
+from app.secret_store import SecretStore, SecretStoreError
 from app.settings import Settings, load_settings, save_settings
 from app.tray import TrayMenu
 from app.ui.chat_window import ChatWindow
 from app.ui.settings_dialog import SettingsDialog
 from app.worker_client import WorkerClient, default_worker_command
+
+
+def _disconnect(signal, slot) -> None:
+    try:
+        signal.disconnect(slot)
+    except (RuntimeError, TypeError):
+        pass   # already disconnected
 
 
 @dataclass(slots=True)
@@ -123,6 +131,7 @@ class AppController(QObject):
         self.worker.set_budget(self.state.budget)
         self.worker.start()
         self.worker.load(self.model_source, self.device, self.backend)
+        self.sync_api()
 
     # ---- windows ----------------------------------------------------------------------------------
     def show_chat(self) -> None:
@@ -137,13 +146,22 @@ class AppController(QObject):
             self._hint_shown = True
             self.tray.notify("Slipstream", "Slipstream keeps running in the tray.")
 
+    def settings_dialog(self) -> SettingsDialog:
+        """The settings dialog, kept up to date with the API server's status while it is open."""
+        dialog = SettingsDialog(self.settings, self.secrets, self.window, api_status=self.worker.api)
+        self.worker.apiStatus.connect(dialog.show_api_status)
+        return dialog
+
     def open_settings(self) -> None:
-        dialog = SettingsDialog(self.settings, self.secrets, self.window)
-        if dialog.exec() == QDialog.DialogCode.Accepted:
+        dialog = self.settings_dialog()
+        accepted = dialog.exec() == QDialog.DialogCode.Accepted
+        _disconnect(self.worker.apiStatus, dialog.show_api_status)
+        if accepted:
             problem = dialog.save_secrets()
             if problem:
                 self.window.notice.show_message(problem, "error")
             self.apply_settings(dialog.result_settings())
+        dialog.deleteLater()
 
     def apply_settings(self, new: Settings) -> None:
         """Save settings; reload the model when the device or backend changed."""
@@ -159,6 +177,23 @@ class AppController(QObject):
         if reload_needed:
             self.device, self.backend = self.settings.device, self.settings.backend
             self.load_model(self.model_source)
+        self.sync_api()
+
+    # ---- the local API ----------------------------------------------------------------------------
+    def sync_api(self) -> None:
+        """Start (or restart, with the current port and key) or stop the worker's API server, as the
+        settings say. The key comes from the keyring, created there on first use. A port in use comes back
+        as a worker `error` (shown like any other) and in the dialog's address line."""
+        if not self.settings.api_enabled:
+            if self.worker.api.get("running") or self.worker.api_wanted:
+                self.worker.api_stop()
+            return
+        try:
+            key = self.secrets.ensure_api_key()
+        except SecretStoreError as exc:
+            self.window.notice.show_message(f"Local API not started: {exc}", "error")
+            return
+        self.worker.api_start(self.settings.api_port, key)
 
     # ---- conversations ----------------------------------------------------------------------------
     def refresh_conversations(self) -> None:

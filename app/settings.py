@@ -30,6 +30,7 @@ class Settings:
     top_p: float = 0.95
     system_prompt: str = ""
     api_port: int = 8765                      # the local OpenAI-compatible API (key in the keyring)
+    api_enabled: bool = False                 # serve that API from the engine worker (127.0.0.1 only)
     chart_window_s: int = 120
     extra_model_dirs: list[str] = field(default_factory=list)
 
@@ -60,6 +61,8 @@ class Settings:
             reset("top_p", "expected a number in (0, 1]")
         if not isinstance(self.api_port, int) or not 1 <= self.api_port <= 65535:
             reset("api_port", "expected a port number from 1 to 65535")
+        if not isinstance(self.api_enabled, bool):
+            reset("api_enabled", "expected true or false")
         if not isinstance(self.chart_window_s, int) or not 10 <= self.chart_window_s <= 24 * 3600:
             reset("chart_window_s", "expected seconds from 10 to 86400")
         if not isinstance(self.extra_model_dirs, list) or not all(isinstance(d, str) for d in self.extra_model_dirs):

@@ -3,8 +3,8 @@
 Nothing here blocks the UI thread: the process starts asynchronously, output arrives through
 `readyReadStandardOutput`. Requests written before the worker said `ready` wait in a queue. If the
 worker dies unexpectedly, `died` says so, a running generation ends as "interrupted", and the worker is
-started again and the last model reloaded (with the current budget). More than `MAX_RESTARTS` deaths
-within a minute stop the restarts and say so.
+started again and the last model reloaded (with the current budget), and the local API server started
+again where it ran. More than `MAX_RESTARTS` deaths within a minute stop the restarts and say so.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class WorkerClient(QObject):
     error = Signal(object, str, str)    # request id or None, message, kind
     plan = Signal(dict, str)            # plan report, reason
     metrics = Signal(dict)
+    apiStatus = Signal(dict)            # the `api` event: {"running": bool, "address": str | None, ...}
     died = Signal(str)                  # one line: what happened and what happens next
 
     def __init__(self, command: list[str] | None = None, log_path: Path | None = None,
@@ -61,6 +62,8 @@ class WorkerClient(QObject):
         self._last_load: dict | None = None
         self._budget: int | None = None
         self._running: str | None = None        # id of the generation in flight
+        self._api_request: dict | None = None   # the api_start to repeat after a restart (None: API off)
+        self.api: dict = {"running": False, "address": None}
         self._ids = itertools.count(1)
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=40)
 
@@ -105,6 +108,7 @@ class WorkerClient(QObject):
                 proc.kill()
                 proc.waitForFinished(1000)
         self._proc = None
+        self.api = {"running": False, "address": None}
         self._set_state("stopped")
 
     # ---- requests --------------------------------------------------------------------------------
@@ -134,6 +138,20 @@ class WorkerClient(QObject):
 
     def request_plan_report(self) -> None:
         self._send("plan_report")
+
+    def api_start(self, port: int, key: str | None) -> None:
+        """Serve the OpenAI-compatible API from the worker (the key travels over the worker's stdin)."""
+        self._api_request = {"port": port, "key": key}
+        self._send("api_start", id=f"api-{next(self._ids)}", **self._api_request)
+
+    @property
+    def api_wanted(self) -> bool:
+        """An api_start was sent and no api_stop since (the worker runs the API, or will)."""
+        return self._api_request is not None
+
+    def api_stop(self) -> None:
+        self._api_request = None
+        self._send("api_stop", id=f"api-{next(self._ids)}")
 
     def unload(self) -> None:
         self._last_load = None
@@ -186,6 +204,8 @@ class WorkerClient(QObject):
                 queued.insert(0, encode_request("load", id=f"load-{next(self._ids)}", budget=self._budget,
                                                 **self._last_load))
                 self._set_state("loading")
+            if self._api_request is not None and not any(q.startswith(b'{"type":"api_') for q in queued):
+                queued.append(encode_request("api_start", id=f"api-{next(self._ids)}", **self._api_request))
             for data in queued:
                 if data.startswith(b'{"type":"load"'):
                     self._set_state("loading")
@@ -217,6 +237,9 @@ class WorkerClient(QObject):
             self.plan.emit(ev.get("report") or {}, str(ev.get("reason") or ""))
         elif kind == "metrics":
             self.metrics.emit(ev)
+        elif kind == "api":
+            self.api = {k: v for k, v in ev.items() if k != "type"}
+            self.apiStatus.emit(dict(self.api))
 
     def _finished(self, exit_code: int, exit_status) -> None:
         self._read_stdout()
@@ -235,6 +258,9 @@ class WorkerClient(QObject):
     def _on_death(self, how: str) -> None:
         running, self._running = self._running, None
         self.model = None
+        if self.api.get("running"):
+            self.api = {"running": False, "address": None}
+            self.apiStatus.emit(dict(self.api))
         now = time.monotonic()
         self._deaths.append(now)
         last = self.stderr_tail[-1] if self.stderr_tail else ""

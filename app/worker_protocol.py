@@ -11,9 +11,9 @@ from typing import Any
 
 PROTOCOL_VERSION = 1
 REQUESTS = ("load", "generate", "cancel", "set_budget", "force_plan", "plan_report", "stats", "unload",
-            "shutdown")
+            "api_start", "api_stop", "shutdown")
 EVENTS = ("ready", "load_progress", "loaded", "token", "done", "error", "plan", "metrics", "stats",
-          "unloaded", "bye")
+          "unloaded", "api", "bye")
 
 
 def encode_request(type_: str, **fields: Any) -> bytes:

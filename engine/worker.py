@@ -3,9 +3,11 @@
 `Worker` owns the protocol's behaviour. Requests arrive on stdin and are read on a reader thread, so
 `cancel` and `set_budget` take effect in the middle of a generation. Long jobs (`load`, `generate`,
 `unload`, `shutdown`) run one at a time on the main thread; budget changes run on a control thread that
-coalesces them (only the newest budget matters). A metrics thread reports tokens/s, time to first token,
-the plan per tier and the engine's own VRAM a few times a second, and notices re-plans the engine made
-on its own. Events go to the protocol stream only; anything else printed goes to stderr.
+coalesces them (only the newest budget matters). `api_start` / `api_stop` run the OpenAI-compatible API
+server (engine/serve/) inside this process on the loaded engine: its generations and the chat's queue at
+one `GenerationGate`, so they never overlap and a load or unload waits for a running API answer.
+A metrics thread reports tokens/s, time to first token, the plan per tier and the engine's own VRAM a
+few times a second, and notices re-plans the engine made on its own. Events go to the protocol stream only; anything else printed goes to stderr.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import IO, Any
 
 from engine.errors import SlipstreamError
 from engine.generation import CancelToken
+from engine.serve.gate import GenerationGate
 
 PROTOCOL_VERSION = 1
 _MODEL_SUFFIXES = (".safetensors", ".gguf", ".bin")
@@ -92,6 +95,11 @@ class Worker:
         self._last_ttft: float | None = None
         self._last_plan: dict | None = None
         self._stop = threading.Event()
+        self._gate = GenerationGate()              # one generation (chat or API) or load at a time
+        self._api = None                           # the running ApiServer, if any
+        self._api_lock = threading.Lock()
+        self._api_busy = 0
+        self._api_key_source: str | None = None
 
     # ---- entry -----------------------------------------------------------------------------------
     def run(self, infile: IO[bytes]) -> int:
@@ -107,6 +115,7 @@ class Worker:
                 break
             self._run_job(job)
         self._stop.set()
+        self._stop_api()
         self._close_engine()
         self.events.emit("bye")
         return 0
@@ -140,8 +149,11 @@ class Worker:
             threading.Thread(target=self._control, args=(request,), daemon=True).start()
         elif kind in ("load", "generate", "unload"):
             self._jobs.put(request)
+        elif kind in ("api_start", "api_stop"):
+            threading.Thread(target=self._api_request, args=(request,), daemon=True).start()
         elif kind == "shutdown":
             self._cancel(None)
+            self._stop_api()
             self._jobs.put(None)
         else:
             self.events.emit("error", id=rid, message=f"unknown request type {kind!r}", kind="protocol")
@@ -229,8 +241,9 @@ class Worker:
                         self.events.emit("plan", reason="engine", report=report)
                 finally:
                     self._control_lock.release()
-            self.events.emit("metrics", time=time.time(), generating=self._current_id is not None,
-                             tokens_per_s=self._rate.rate(now) if self._current_id else None,
+            generating = self._current_id is not None or self._api_busy > 0
+            self.events.emit("metrics", time=time.time(), generating=generating,
+                             tokens_per_s=self._rate.rate(now) if generating else None,
                              ttft_s=self._last_ttft, plan=_plan_kinds(report),
                              own_vram=_plan_vram(report), budget=(report or {}).get("budget"))
 
@@ -238,13 +251,14 @@ class Worker:
     def _run_job(self, job: dict) -> None:
         kind, rid = job["type"], job.get("id")
         try:
-            if kind == "load":
-                self._load(job)
-            elif kind == "generate":
-                self._generate(job)
-            elif kind == "unload":
-                self._close_engine()
-                self.events.emit("unloaded", id=rid)
+            with self._gate.hold():
+                if kind == "load":
+                    self._load(job)
+                elif kind == "generate":
+                    self._generate(job)
+                elif kind == "unload":
+                    self._close_engine()
+                    self.events.emit("unloaded", id=rid)
         except SlipstreamError as exc:
             self.events.emit("error", id=rid, message=str(exc), kind=kind)
             if kind == "generate":
@@ -338,6 +352,70 @@ class Worker:
                 engine.close()
             except Exception as exc:  # noqa: BLE001
                 self._internal_error(None, "close", exc)
+
+    # ---- the OpenAI-compatible API (its own threads) -------------------------------------------------
+    def _api_request(self, request: dict) -> None:
+        kind, rid = request["type"], request.get("id")
+        with self._api_lock:
+            try:
+                if kind == "api_stop":
+                    self._stop_api()
+                else:
+                    self._start_api(request)
+            except SlipstreamError as exc:
+                self.events.emit("error", id=rid, message=str(exc), kind=kind)
+                self._emit_api(rid, error=str(exc))
+                return
+            except Exception as exc:  # noqa: BLE001
+                self._internal_error(rid, kind, exc)
+                self._emit_api(rid, error=f"internal error: {type(exc).__name__}: {exc}")
+                return
+            self._emit_api(rid)
+
+    def _start_api(self, request: dict) -> None:
+        from engine.serve.auth import resolve_api_key
+        from engine.serve.runner import EngineSlot
+        from engine.serve.server import DEFAULT_PORT, ApiServer
+
+        port = request.get("port", DEFAULT_PORT)
+        host = request.get("host") or "127.0.0.1"
+        key = request.get("key")
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise SlipstreamError(f"api_start: port={port!r}: expected an integer from 0 to 65535")
+        if not isinstance(host, str) or (key is not None and not isinstance(key, str)):
+            raise SlipstreamError("api_start: host and key must be strings")
+        self._api_key_source = "the app"
+        if not key:
+            key, self._api_key_source = resolve_api_key()
+        old = self._api
+        if old is not None and (old.host, old.port, old.api_key) == (host, port, key):
+            return
+        self._stop_api()
+        slot = EngineSlot(lambda: self._engine, gate=self._gate, name=lambda: self._model_info.get("name"),
+                          on_busy=self._api_activity, on_token=lambda: self._rate.tick(time.perf_counter()))
+        server = ApiServer(slot, key, host=host, port=port,
+                           log=lambda line: print(f"[api] {line}", file=sys.stderr, flush=True))
+        server.start()
+        self._api = server
+
+    def _api_activity(self, busy: bool) -> None:
+        if busy:
+            self._rate.reset()
+        self._api_busy += 1 if busy else -1
+
+    def _stop_api(self) -> None:
+        server, self._api = self._api, None
+        if server is not None:
+            server.stop()
+
+    def _emit_api(self, rid, error: str | None = None) -> None:
+        server = self._api
+        fields = {"running": server is not None, "address": server.address if server else None}
+        if server is not None:
+            fields["key_source"] = self._api_key_source
+        if error:
+            fields["error"] = error
+        self.events.emit("api", id=rid, **fields)
 
     def _internal_error(self, rid, kind: str, exc: BaseException) -> None:
         traceback.print_exception(exc, file=sys.stderr)

@@ -1,11 +1,16 @@
-"""`SettingsDialog`: device, backend, sampling, system prompt, model folders, the budget reserve, and the
-secrets (local API key, Hugging Face token), which go to the OS keyring, never to the settings file."""
+"""`SettingsDialog`: device, backend, sampling, system prompt, model folders, the budget reserve, the local
+OpenAI-compatible API (on/off, port, its address as the worker reports it, live), and the secrets (local
+API key, Hugging Face token), which go to the OS keyring, never to the settings file. The API key is
+shown masked, with Show, Copy and New key buttons."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
+    QCheckBox,
     QComboBox,
     QDialog,
     QDialogButtonBox,
@@ -27,7 +32,8 @@ from app.settings import BACKENDS, DEVICES, Settings
 
 
 class SettingsDialog(QDialog):
-    def __init__(self, settings: Settings, secrets: SecretStore, parent: QWidget | None = None):
+    def __init__(self, settings: Settings, secrets: SecretStore, parent: QWidget | None = None,
+                 api_status: dict | None = None):
         super().__init__(parent)
         self.setWindowTitle("Slipstream settings")
         self.secrets = secrets
@@ -62,8 +68,22 @@ class SettingsDialog(QDialog):
         self.api_port = QSpinBox()
         self.api_port.setRange(1, 65535)
         self.api_port.setValue(settings.api_port)
+        self.api_enabled = QCheckBox("Serve the OpenAI-compatible API on this computer (127.0.0.1 only)")
+        self.api_enabled.setChecked(settings.api_enabled)
+        self.api_address = QLabel()
+        self.api_address.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.copy_address = QPushButton("Copy")
+        self.copy_address.setToolTip("Copy the API's base URL")
+        self.copy_address.clicked.connect(lambda: self._copy(self._address or ""))
+        self._address: str | None = None
         self.api_key = QLineEdit()
         self.api_key.setEchoMode(QLineEdit.EchoMode.Password)
+        self.show_key = QPushButton("Show")
+        self.show_key.setCheckable(True)
+        self.show_key.toggled.connect(self._toggle_key)
+        self.copy_key = QPushButton("Copy")
+        self.copy_key.setToolTip("Copy the API key")
+        self.copy_key.clicked.connect(lambda: self._copy(self.api_key.text()))
         self.hf_token = QLineEdit()
         self.hf_token.setEchoMode(QLineEdit.EchoMode.Password)
         self.keyring_status = QLabel()
@@ -79,7 +99,13 @@ class SettingsDialog(QDialog):
         generate.clicked.connect(self._new_key)
         key_row = QHBoxLayout()
         key_row.addWidget(self.api_key, 1)
+        key_row.addWidget(self.show_key)
+        key_row.addWidget(self.copy_key)
         key_row.addWidget(generate)
+        address_row = QHBoxLayout()
+        address_row.addWidget(self.api_address, 1)
+        address_row.addWidget(self.copy_address)
+        self.show_api_status(api_status or {"running": False, "address": None})
         form = QFormLayout()
         form.addRow("Device", self.device)
         form.addRow("Backend", self.backend)
@@ -89,7 +115,9 @@ class SettingsDialog(QDialog):
         form.addRow("System prompt", self.system_prompt)
         form.addRow("VRAM left for others (auto)", self.reserve_gib)
         form.addRow("Model folders", self.model_dirs)
+        form.addRow("Local API", self.api_enabled)
         form.addRow("Local API port", self.api_port)
+        form.addRow("Local API address", address_row)
         form.addRow("Local API key", key_row)
         form.addRow("Hugging Face token", self.hf_token)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Save | QDialogButtonBox.StandardButton.Cancel)
@@ -103,6 +131,27 @@ class SettingsDialog(QDialog):
         layout.addWidget(self.error)
         layout.addWidget(buttons)
 
+    def show_api_status(self, status: dict) -> None:
+        """Show what the engine worker reports about the API server (its `api` event)."""
+        running = bool(status.get("running")) and bool(status.get("address"))
+        self._address = status.get("address") if running else None
+        if running:
+            self.api_address.setText(str(self._address))
+        elif status.get("error"):
+            self.api_address.setText(f"not running: {status['error']}")
+        else:
+            self.api_address.setText("off")
+        self.copy_address.setEnabled(running)
+
+    def _toggle_key(self, shown: bool) -> None:
+        self.api_key.setEchoMode(QLineEdit.EchoMode.Normal if shown else QLineEdit.EchoMode.Password)
+        self.show_key.setText("Hide" if shown else "Show")
+
+    @staticmethod
+    def _copy(text: str) -> None:
+        if text:
+            QGuiApplication.clipboard().setText(text)
+
     def _new_key(self) -> None:
         import secrets as random
 
@@ -115,7 +164,8 @@ class SettingsDialog(QDialog):
                        backend=self.backend.currentText(), max_new_tokens=self.max_new_tokens.value(),
                        temperature=round(self.temperature.value(), 3), top_p=round(self.top_p.value(), 3),
                        system_prompt=self.system_prompt.toPlainText(), extra_model_dirs=dirs,
-                       reserve=int(self.reserve_gib.value() * (1 << 30)), api_port=self.api_port.value())
+                       reserve=int(self.reserve_gib.value() * (1 << 30)), api_port=self.api_port.value(),
+                       api_enabled=self.api_enabled.isChecked())
 
     def save_secrets(self) -> str | None:
         """Store the secrets in the keyring; returns a one-line problem, or None."""

@@ -29,6 +29,10 @@ _ERROR_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found"
                 414: "uri_too_long", 431: "headers_too_large", 500: "internal_error"}
 
 
+def _stopped() -> ApiError:
+    return ApiError(503, "the server stopped: the answer was cut short", "server_error", code="server_stopping")
+
+
 class ApiHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "Slipstream-API"
@@ -132,6 +136,7 @@ class ApiHandler(BaseHTTPRequestHandler):
             else:
                 length = self.headers.get("Content-Length")
                 if length is None:
+                    self.close_connection = True        # whatever follows cannot be framed
                     raise ApiError(411, "Content-Length header required", code="length_required")
                 if not length.strip().isdigit():
                     raise ApiError(400, f"Content-Length={length!r}: not a number of bytes")
@@ -185,6 +190,8 @@ class ApiHandler(BaseHTTPRequestHandler):
                 text = "".join(gen.pieces())
                 if gen.client_gone:
                     raise ClientGone()
+                if gen.finish_reason == "cancelled":
+                    raise _stopped()
                 self._send_json(200, built.full(text, gen.finish_reason,
                                                 usage(gen.prompt_tokens, gen.completion_tokens)))
                 return
@@ -194,6 +201,11 @@ class ApiHandler(BaseHTTPRequestHandler):
                     self._sse(built.chunk("", first=True))
                 for piece in gen.pieces():
                     self._sse(built.chunk(piece))
+                if gen.finish_reason == "cancelled":        # only a stopping server cancels a live stream
+                    self._sse(_stopped().body())
+                    self.wfile.write(b"0\r\n\r\n")
+                    self.close_connection = True
+                    return
                 self._sse(built.chunk(None if req.kind == "chat" else "", gen.finish_reason))
                 if req.include_usage:
                     self._sse(built.usage_chunk(usage(gen.prompt_tokens, gen.completion_tokens)))

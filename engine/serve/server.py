@@ -115,10 +115,10 @@ class ApiServer:
         self.slot.close()                 # cancel running generations, refuse queued ones
         httpd.shutdown()
         httpd.server_close()
-        httpd.close_connections()
         deadline = time.monotonic() + timeout_s
         while self.slot.active and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.02)              # cancelled answers end (and tell their clients) first
+        httpd.close_connections()         # then idle keep-alive connections are closed
         if self._thread is not None:
             self._thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
