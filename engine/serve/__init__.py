@@ -1,8 +1,8 @@
 """The local OpenAI-compatible HTTP API (`python -m engine serve`, or inside the app's worker).
 
 `auth` (the key and its check), `gate` (one generation at a time, first come first served),
-`openai_schema` (request validation), `responses` (OpenAI objects), `runner` (the engine behind the
-gate), `handler` (HTTP), `server` (`ApiServer`).
+`body` (reading request bodies), `openai_schema` (request validation), `responses` (OpenAI objects),
+`runner` (the engine behind the gate), `handler` (HTTP), `server` (`ApiServer`), `errors`.
 """
 
 from engine.serve.runner import EngineSlot

@@ -25,5 +25,9 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ClientGone(Exception):
+    """The client hung up (while sending, while queued, or mid-generation): nothing more to send."""
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)

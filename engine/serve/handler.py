@@ -17,10 +17,10 @@ from http.server import BaseHTTPRequestHandler
 from urllib.parse import unquote, urlsplit
 
 from engine.serve.auth import bearer_token, key_matches
-from engine.serve.errors import ApiError
+from engine.serve.body import has_body, parse_json_object, read_body
+from engine.serve.errors import ApiError, ClientGone
 from engine.serve.openai_schema import parse_chat, parse_completion
 from engine.serve.responses import ResponseBuilder, model_list, usage
-from engine.serve.runner import ClientGone
 
 ROUTES = {"/v1/models": ("GET",), "/v1/chat/completions": ("POST",), "/v1/completions": ("POST",),
           "/health": ("GET",)}
@@ -74,7 +74,7 @@ class ApiHandler(BaseHTTPRequestHandler):
         except ClientGone:
             self.close_connection = True
         except ApiError as exc:
-            if not self._body_read and self._has_body():
+            if not self._body_read and (has_body(self.headers) or exc.status == 411):
                 self.close_connection = True        # the unread body would be taken for the next request
             self._send_error(exc)
         except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError):
@@ -124,63 +124,14 @@ class ApiHandler(BaseHTTPRequestHandler):
             raise ApiError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     # ---- request body ------------------------------------------------------------------------------
-    def _has_body(self) -> bool:
-        return "chunked" in self.headers.get("Transfer-Encoding", "").lower() or \
-            self.headers.get("Content-Length", "0").strip() not in ("", "0")
-
     def _read_json(self) -> dict:
-        limit = self.server.api.max_body
         try:
-            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                raw = self._read_chunked(limit)
-            else:
-                length = self.headers.get("Content-Length")
-                if length is None:
-                    self.close_connection = True        # whatever follows cannot be framed
-                    raise ApiError(411, "Content-Length header required", code="length_required")
-                if not length.strip().isdigit():
-                    raise ApiError(400, f"Content-Length={length!r}: not a number of bytes")
-                n = int(length)
-                if n > limit:
-                    raise ApiError(413, f"request body of {n} bytes is over the limit of {limit} bytes",
-                                   code="request_too_large")
-                raw = self.rfile.read(n)
-                if len(raw) < n:
-                    raise ClientGone()
+            raw = read_body(self.rfile, self.headers, self.server.api.max_body)
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {self.timeout} s",
                            code="request_timeout") from None
         self._body_read = True
-        if not raw.strip():
-            raise ApiError(400, "request body is empty: expected a JSON object")
-        try:
-            body = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
-        except UnicodeDecodeError as exc:
-            raise ApiError(400, f"request body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-        except ValueError as exc:
-            raise ApiError(400, f"request body is not valid JSON ({exc})") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, f"request body: expected a JSON object, got {type(body).__name__}")
-        return body
-
-    def _read_chunked(self, limit: int) -> bytes:
-        parts: list[bytes] = []
-        total = 0
-        while True:
-            line = self.rfile.readline(1026).split(b";")[0].strip()
-            try:
-                size = int(line, 16)
-            except ValueError:
-                raise ApiError(400, "malformed chunked request body") from None
-            if size == 0:
-                while self.rfile.readline(1026).strip():   # trailers
-                    pass
-                return b"".join(parts)
-            total += size
-            if total > limit:
-                raise ApiError(413, f"request body is over the limit of {limit} bytes", code="request_too_large")
-            parts.append(self.rfile.read(size))
-            self.rfile.readline(3)
+        return parse_json_object(raw)
 
     # ---- completions ---------------------------------------------------------------------------------
     def _complete(self, req) -> None:
@@ -203,14 +154,14 @@ class ApiHandler(BaseHTTPRequestHandler):
                     self._sse(built.chunk(piece))
                 if gen.finish_reason == "cancelled":        # only a stopping server cancels a live stream
                     self._sse(_stopped().body())
-                    self.wfile.write(b"0\r\n\r\n")
+                    self._end_stream()
                     self.close_connection = True
                     return
                 self._sse(built.chunk(None if req.kind == "chat" else "", gen.finish_reason))
                 if req.include_usage:
                     self._sse(built.usage_chunk(usage(gen.prompt_tokens, gen.completion_tokens)))
                 self._sse_raw(b"data: [DONE]\n\n")
-                self.wfile.write(b"0\r\n\r\n")
+                self._end_stream()
             except OSError:
                 gen.client_gone = True                  # the slot cancels the generation on the way out
                 self.close_connection = True
@@ -221,7 +172,7 @@ class ApiHandler(BaseHTTPRequestHandler):
                                code="internal_error")
                 try:
                     self._sse(err.body())
-                    self.wfile.write(b"0\r\n\r\n")
+                    self._end_stream()
                 except OSError:
                     pass
 
@@ -258,21 +209,28 @@ class ApiHandler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _start_stream(self) -> None:
+        """Chunked for HTTP/1.1 (the connection stays open for the next request); HTTP/1.0 clients get
+        the events unframed and the connection closed at the end."""
+        self._chunked = self.request_version == "HTTP/1.1"
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
         self.send_header("X-Accel-Buffering", "no")
+        if self._chunked:
+            self.send_header("Transfer-Encoding", "chunked")
+        else:
+            self.close_connection = True
+            self.send_header("Connection", "close")
         self.end_headers()
         self._headers_sent = True
+
+    def _end_stream(self) -> None:
+        if self._chunked:
+            self.wfile.write(b"0\r\n\r\n")
 
     def _sse(self, obj: dict) -> None:
         self._sse_raw(b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
                       + b"\n\n")
 
     def _sse_raw(self, data: bytes) -> None:
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-
-
-def _refuse_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self._chunked else data)

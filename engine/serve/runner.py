@@ -19,14 +19,10 @@ from pathlib import Path
 
 from engine.errors import ContextLengthError, SlipstreamError
 from engine.generation import CancelToken
-from engine.serve.errors import ApiError
+from engine.serve.errors import ApiError, ClientGone
 from engine.serve.gate import GateAbandoned, GateClosed, GenerationGate
 from engine.serve.openai_schema import GenerationRequest
 from engine.serve.responses import model_card
-
-
-class ClientGone(Exception):
-    """The client hung up (while queued or mid-generation)."""
 
 
 def model_name(engine) -> str:
@@ -38,17 +34,24 @@ def model_name(engine) -> str:
 class Generation:
     """One running generation: `pieces()` yields text; afterwards `finish_reason` and the token counts."""
 
-    def __init__(self, events, cancel: CancelToken, abandon: Callable[[], bool], prompt_tokens: int,
-                 model: str, on_token: Callable[[], None] | None):
+    def __init__(self, events, cancel: CancelToken, abandon: Callable[[], bool], prompt_tokens: int | None,
+                 model: str, on_token: Callable[[], None] | None, stats: Callable[[], dict] | None = None):
         self._events = events
         self.cancel_token = cancel
         self._abandon = abandon
-        self.prompt_tokens = prompt_tokens
+        self._counted = prompt_tokens
+        self._stats = stats
         self.completion_tokens = 0
         self.model = model
         self.finish_reason: str | None = None
         self.client_gone = False
         self._on_token = on_token
+
+    @property
+    def prompt_tokens(self) -> int:
+        if self._counted is None and self._stats is not None and self.finish_reason is not None:
+            self._counted = int(self._stats().get("prompt_tokens") or 0)
+        return self._counted or 0
 
     def pieces(self) -> Iterator[str]:
         for ev in self._events:
@@ -163,10 +166,13 @@ class EngineSlot:
         images = kwargs.pop("images")
         param = "messages" if req.kind == "chat" else "prompt"
         try:
-            n_prompt = len(engine.encode_prompt(req.prompt, images))
+            # Text prompts are counted here (cheap); with images the engine's own count is read at the end,
+            # so the images are not processed twice.
+            n_prompt = None if images else len(engine.encode_prompt(req.prompt))
             events = engine.generate(req.prompt, images=images, cancel=token, **kwargs)
         except ContextLengthError as exc:
             raise ApiError(400, f"{param}: {exc}", code="context_length_exceeded", param=param) from exc
         except SlipstreamError as exc:
             raise ApiError(400, str(exc), code="invalid_value", param=param) from exc
-        return Generation(events, token, abandon, n_prompt, self.model_name() or "model", self._on_token)
+        return Generation(events, token, abandon, n_prompt, self.model_name() or "model", self._on_token,
+                          stats=engine.stats)
