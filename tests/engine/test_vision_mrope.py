@@ -18,6 +18,7 @@ from engine.models.vision.mrope import (
     mrope_positions,
     text_inverse_frequencies,
 )
+from engine.models.vision.pipeline import prepare_vision_prompt
 from engine.models.vision.qwen2_5_vl_processor import image_token_count, preprocess_images
 from engine.models.vision.qwen2_5_vl_tower import encode_images
 
@@ -136,7 +137,7 @@ def _our_logits(loaded, ids, image_embeddings, positions):
     ids_t = torch.tensor(ids)
     x = dense.embed_tokens(w, ids_t)
     mask = ids_t == loaded.vision.image_token_id
-    x[mask] = torch.cat(image_embeddings).to(x.dtype)
+    x[mask] = image_embeddings.to(x.dtype)
     cos, sin = mrope_cos_sin(positions, text_inverse_frequencies(cfg.head_dim, cfg.rope_theta),
                              loaded.vision.mrope_section, dtype=x.dtype)
     for i in range(cfg.num_layers):
@@ -149,25 +150,34 @@ def _our_logits(loaded, ids, image_embeddings, positions):
     return dense.output_head(cfg, w, x)
 
 
+def test_prepare_vision_prompt_equals_the_pieces(loaded):
+    images = [_image(*SIZES[0]), _image(*SIZES[2])]
+    ids, grids, counts = _prompt(loaded, images)
+    vp = prepare_vision_prompt(loaded.vision_weights, loaded.vision, loaded.tokenizer, _messages(2), images, "cpu")
+    assert vp.ids == ids and vp.token_counts == counts and torch.equal(vp.grids, grids)
+    positions, delta = mrope_positions(ids, loaded.vision.image_token_id, grids, 2)
+    assert torch.equal(vp.positions, positions) and vp.delta == delta
+    assert int(vp.image_mask.sum()) == vp.embeddings.shape[0] == sum(counts)
+    pieces = torch.cat(encode_images(loaded.vision_weights, loaded.vision, images, "cpu"))
+    assert torch.equal(vp.embeddings, pieces)
+
+
 def test_prefill_and_decode_logits_equal_reference(loaded, reference):
-    images = [_image(*SIZES[0]), _image(*SIZES[1])]
-    ids, grids, _ = _prompt(loaded, images)
+    images = [_image(w, h) for w, h in SIZES]
     v = loaded.vision
+    vp = prepare_vision_prompt(loaded.vision_weights, v, loaded.tokenizer, _messages(3), images, "cpu")
     pixel_values, _ = preprocess_images(images, v.processor)
-    input_ids = torch.tensor([ids])
+    input_ids = torch.tensor([vp.ids])
     mm = (input_ids == v.image_token_id).int()
     with torch.no_grad():
-        ref1 = reference(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=grids,
+        ref1 = reference(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=vp.grids,
                          mm_token_type_ids=mm, use_cache=True)
         nxt = int(ref1.logits[0, -1].argmax())
         ref2 = reference(input_ids=torch.tensor([[nxt]]), cache=ref1.cache, use_cache=True)
 
-        embeddings = encode_images(loaded.vision_weights, v, images, "cpu")
-        positions, delta = mrope_positions(ids, v.image_token_id, grids, v.spatial_merge_size)
-        ours = _our_logits(loaded, ids, embeddings, positions)
-        scale = ref1.logits.abs().max()
-        assert float((ours - ref1.logits[0]).abs().max() / scale) < 1e-4
+        ours = _our_logits(loaded, vp.ids, vp.embeddings, vp.positions)
+        assert float((ours - ref1.logits[0]).abs().max() / ref1.logits.abs().max()) < 1e-4
         # One decode step: the generated token at sequence index len(ids), position len(ids) + delta.
-        full = torch.cat([positions, decode_positions(len(ids), 1, delta)], dim=1)
-        ours2 = _our_logits(loaded, ids + [nxt], embeddings, full)[-1]
+        full = torch.cat([vp.positions, decode_positions(len(vp.ids), 1, vp.delta)], dim=1)
+        ours2 = _our_logits(loaded, vp.ids + [nxt], vp.embeddings, full)[-1]
         assert float((ours2 - ref2.logits[0, -1]).abs().max() / ref2.logits.abs().max()) < 1e-4
