@@ -15,6 +15,10 @@ SUITES: dict[str, tuple[str, str]] = {
     "cpu-backends": ("engine.bench.cpu_backends",
                      ("torch vs llama.cpp backends on the default model on this CPU: prefill and decode "
                      "tokens/s (writes cpu_default_model.json/.md)")),
+    "gpu": ("engine.bench.gpu_suite",
+            ("issue 6 on the GPU machine: Slipstream vs llama.cpp (default, tuned), accelerate and the bound "
+             "at 2/4/8 GiB, and a co-run beside a game stand-in; --part splits it across device calls "
+             "(see docs/benchmarks/HOWTO_GPU.md)")),
 }
 
 
@@ -32,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (_, help_text) in SUITES.items():
         group.add_argument(f"--{name}", dest="suite", action="store_const", const=name, help=help_text)
     add_common_arguments(parser)
+    from engine.bench.gpu_suite import add_arguments as add_gpu_arguments  # imports nothing heavy
+
+    add_gpu_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

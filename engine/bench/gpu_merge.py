@@ -1,0 +1,197 @@
+"""Merge the parts' JSON into `results.json` (schema in ARCHITECTURE.md), `results.md` and PNG plots.
+
+Inputs: `part-*.json` in the given folders (per part, the file updated last wins; an earlier call's rows
+are already inside a resumed part's file). The bound rows are computed here from the profile that the
+Slipstream part recorded (else the committed H200 profile). Runs anywhere (no GPU): after the device
+calls, on the files they brought back.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.bench.partials import now_iso
+
+SYSTEM_ORDER = ("slipstream", "llama.cpp-default", "llama.cpp-tuned", "accelerate", "bound")
+PROFILE = Path("docs/benchmarks/profiles/h200.json")
+
+
+def load_parts(folders: list[Path]) -> dict[str, dict]:
+    parts: dict[str, dict] = {}
+    for d in folders:
+        for p in sorted(Path(d).glob("part-*.json")):
+            try:
+                data = json.loads(p.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            name = data.get("part", p.stem[5:])
+            if name not in parts or data.get("updated", "") > parts[name].get("updated", ""):
+                parts[name] = data
+    return parts
+
+
+def _profile(parts: dict) -> tuple[dict | None, str]:
+    prof = parts.get("slipstream", {}).get("meta", {}).get("profile")
+    if prof and prof.get("link"):
+        return prof, f"profile of {prof.get('device')} measured {prof.get('created')}"
+    if PROFILE.is_file():
+        entries = json.loads(PROFILE.read_text()).get("profiles", {})
+        if entries:
+            prof = next(iter(entries.values()))
+            return prof, f"committed profile {PROFILE} ({prof.get('created')})"
+    return None, "no profile"
+
+
+def bound_rows(parts: dict, budgets: list[tuple[str, int]], models: list[str], dry_run: bool) -> list[dict]:
+    from engine.bench.bound import Rates, bound_row
+    from engine.bench.gguf_shapes import gguf_shape
+    from engine.bench.scenarios import DRY_SCENARIOS, SCENARIOS
+
+    prof, where = _profile(parts)
+    if prof is None:
+        return []
+    rates = Rates.from_profile(prof)
+    table = DRY_SCENARIOS if dry_run else SCENARIOS
+    rows = []
+    for m in models:
+        sc = table.get(m)
+        if sc is None or not sc.gguf_shape:
+            continue
+        shape = gguf_shape(sc.gguf_shape, sc.layers)
+        for name, b in budgets:
+            rows.append(bound_row(m, shape, name, b, rates, profile_note=f"; {where}"))
+    return rows
+
+
+def collect(parts: dict, dry_run: bool) -> tuple[list[dict], list[dict]]:
+    rows, corun = [], []
+    for name in ("slipstream", "llamacpp", "accelerate"):
+        rows += [r for r in parts.get(name, {}).get("rows", []) if not r.get("pending")]
+    corun = [r for r in parts.get("corun", {}).get("rows", [])]
+    budgets = sorted({(r["budget"], r["budget_bytes"]) for r in rows if r.get("budget_bytes")}, key=lambda x: x[1])
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    rows += bound_rows(parts, budgets, models, dry_run)
+    order = {s: i for i, s in enumerate(SYSTEM_ORDER)}
+    rows.sort(key=lambda r: (models.index(r["model"]) if r["model"] in models else 99,
+                             r.get("budget_bytes") or 0, order.get(r["system"], 99)))
+    return rows, corun
+
+
+def _f(v, fmt: str = "{:.1f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def _gib(v) -> str:
+    return "-" if v is None else f"{v / 2**30:.2f}"
+
+
+def _config(r: dict) -> str:
+    plan = r.get("plan")
+    if r["system"] == "slipstream" and isinstance(plan, dict) and plan.get("tiers"):
+        kinds = [t["plan"] for t in plan["tiers"]]
+        return f"{kinds[0]} (decode) / {kinds[-1]} (tier {plan['tiers'][-1]['tokens']})"
+    if r["system"].startswith("llama.cpp") and isinstance(plan, dict):
+        v = r.get("decode_variant")
+        return " ".join(plan.get("flags", [])) + (f" [{v}]" if v else "")
+    if r["system"] == "accelerate" and isinstance(plan, dict) and "modules_on_gpu" in plan:
+        return f"{plan['modules_on_gpu']}/{plan['modules']} modules on GPU"
+    return ""
+
+
+def table(rows: list[dict]) -> str:
+    lines = [("| model | budget | system | peak VRAM GiB (NVML) | fits | prefill 512 t/s | prefill 4096 t/s | "
+             "decode t/s | batch 4 t/s | batch 16 t/s | configuration |"),
+             "|---|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        fits = "-" if r.get("fits") is None else ("yes" if r["fits"] else "**no**")
+        if r["system"] == "bound":
+            fits = "(bound)"
+        b4, b16 = r.get("decode_batch4_tps"), r.get("decode_batch16_tps")
+        nb = "n/s" if r.get("decode_batch_note", "").startswith("not supported") else "-"
+        note = "" if r.get("supported", True) else " (not supported yet)"
+        lines.append(f"| {r['model']} | {r['budget']} | {r['system']}{note} | {_gib(r.get('peak_vram_bytes'))} | "
+                     f"{fits} | {_f(r.get('prefill512_tps'), '{:.0f}')} | {_f(r.get('prefill4096_tps'), '{:.0f}')} | "
+                     f"{_f(r.get('decode_tps'), '{:.2f}')} | {_f(b4) if b4 is not None else nb} | "
+                     f"{_f(b16) if b16 is not None else nb} | {_config(r)} |")
+    return "\n".join(lines)
+
+
+def corun_table(corun: list[dict]) -> str:
+    if not corun:
+        return "(no co-run yet)"
+    lines = [("| system | config | game frames/s per phase | model tokens/s per phase | game OOM attempts "
+             "(stall s) | card over cap s | model errors |"), "|---|---|---|---|---|---|---|"]
+    for c in corun:
+        pp = c.get("per_phase", [])
+        if not pp:
+            lines.append(f"| {c['system']} | - | - | - | - | - | {c.get('note') or c.get('error') or 'not run'} |")
+            continue
+        cfg = f"-ngl {c['ngl']}" if "ngl" in c else c.get("budget", "")
+        lines.append(f"| {c['system']} | {cfg} | {' / '.join(_f(p.get('game_fps'), '{:.0f}') for p in pp)} | "
+                     f"{' / '.join(_f(p.get('model_tps'), '{:.1f}') for p in pp)} | {c.get('game_ooms')} "
+                     f"({_f(c.get('game_oom_stall_s'))}) | {c.get('card_over_cap_s')} | {c.get('model_errors')} |")
+    return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    notes = "\n".join(f"- {n}" for n in result["notes"])
+    return (f"# GPU benchmark (issue 6)\n\n{result['date']}; machine: {m.get('gpu')}, {m.get('cpu')} "
+            f"({m.get('cpu_threads')} threads), driver {m.get('driver')}, PCIe {m.get('pcie')}, torch "
+            f"{m.get('torch')}.\n\n{notes}\n\n## Budgets\n\n{table(result['rows'])}\n\n"
+            f"## Co-run (game stand-in on the same GPU)\n\n{corun_table(result['corun'])}\n\n"
+            "Plots: `results_decode.png`, `results_prefill.png`, `corun_timeline.png`.\n")
+
+
+NOTES = [
+    ("Random weights of the named shapes (speed does not depend on values); Slipstream and accelerate run "
+    "bf16, llama.cpp F16 (same bytes; its most optimised 16-bit path)."),
+    ("VRAM: peak NVML bytes of the whole process, polled every 20-50 ms. A run fits budget B when that peak is "
+    "at most B + the allowance: the NVML bytes of the same program holding nothing (llama-bench with a tiny "
+    "model; a bare PyTorch process with cuBLAS for Slipstream and accelerate), measured in the same run."),
+    ("llama.cpp-default: llama-bench defaults, all CPU threads (-t), the largest -ngl that fits. llama.cpp-tuned: "
+    "per metric the best fitting variant of no-mmap (-lm none), -ub 2048 -b 4096, attention on the GPU with "
+    "FFNs on the CPU (-ot ffn_.*=CPU; --n-cpu-moe for MoE), each at its largest fitting configuration."),
+    ("Prefill t/s: llama-bench pp512/pp4096 (with its warm-up); Slipstream prompt tokens / time to first token "
+    "(median of --runs); accelerate one forward pass. Decode t/s: tg32 / 32 tokens after a 64-token prompt / "
+    "4 tokens (accelerate: about 0.5 t/s, so few)."),
+    "Batched decode (4, 16 sequences): llama-batched-bench where it ran; Slipstream: not supported yet (n/s).",
+    "bound: not a run; the physical bound from the measured profile (see engine/bench/bound.py).",
+    ("Co-run: the card is capped (BudgetPolicy total_cap for Slipstream's monitor; the stand-in's own "
+    "accounting against NVML's device total for its simulated out-of-memory) to stand for a client GPU."),
+]
+
+
+def merge(folders: list[Path], out: Path, dry_run: bool = False, say=print) -> int:
+    parts = load_parts(folders)
+    if not parts:
+        say(f"merge: no part-*.json in {', '.join(str(f) for f in folders)}")
+        return 1
+    rows, corun = collect(parts, dry_run)
+    machine = next((p.get("machine") for n, p in parts.items() if p.get("machine", {}).get("gpu")), {}) or {}
+    notes = list(NOTES)
+    for p in parts.values():
+        for sc in (p.get("meta", {}).get("gguf") or {}).values():
+            notes.append(f"GGUF {Path(sc['path']).name}: {sc['bytes'] / 1e9:.1f} GB, vocabulary from "
+                         f"{sc['vocab']['source']}.")
+    if any(r.get("model") == "qwen3-30b-a3b" for r in rows):
+        notes.append("qwen3-30b-a3b: 24 of its 48 layers (all runs alike).")
+    result = {"machine": machine, "date": now_iso(), "rows": rows, "corun": corun, "notes": notes,
+              "parts": {n: {k: p.get(k) for k in ("started", "updated")} | {"commands": p.get("meta", {})
+                                                                              .get("commands")}
+                        for n, p in parts.items()}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    (out / "results.md").write_text(markdown(result))
+    try:
+        from engine.bench.gpu_plots import plot_all
+
+        plot_all(result, out)
+    except ImportError as exc:
+        say(f"merge: no plots ({exc})")
+    print(table(rows))
+    print()
+    print(corun_table(corun))
+    say(f"wrote {out / 'results.json'}, {out / 'results.md'} and plots")
+    return 0

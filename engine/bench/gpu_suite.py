@@ -1,0 +1,132 @@
+"""`python -m engine bench --gpu`: Slipstream against llama.cpp, accelerate and the physical bound (issue 6).
+
+The work is split in parts that fit the device tool's 10-minute calls (`--part`, comma-separated; with
+several, each runs in its own process, in order):
+  build-llamacpp  build llama-bench + llama-batched-bench (CUDA, sm_90) from carry/llama.cpp-src.tar.xz,
+                  or reuse a build in /tmp or carried packed parts; `--pack-bins` writes the parts to --out
+  llamacpp        llama.cpp-default and llama.cpp-tuned rows (writes the GGUF first if needed)
+  slipstream      Slipstream rows (random weights on the GPU), with the plan it chose
+  accelerate      transformers + accelerate device_map offload rows
+  corun           the game stand-in beside Slipstream (auto mode) and beside llama.cpp (fixed -ngl)
+  merge           part-*.json (from --out and --prior) -> results.json, results.md, PNG plots (+ bound rows)
+Each part writes `part-<name>.json` after every row and packs its raw logs to `<name>-logs.tar.xz` in
+--out; rows already in `--prior` files are not run again. `SLIPSTREAM_BENCH_DEADLINE` (epoch seconds) or
+`--deadline-epoch` tells the parts when the device call ends: they stop starting work that would not
+finish. `--dry-run` runs tiny shapes on the CPU ("sim" device, a simulated card), skipping what needs a GPU.
+See docs/benchmarks/HOWTO_GPU.md for the device calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PARTS = ("build-llamacpp", "llamacpp", "slipstream", "accelerate", "corun", "merge")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("--gpu suite")
+    g.add_argument("--part", default=None, help=f"comma-separated, in order: {', '.join(PARTS)}")
+    g.add_argument("--prior", default=None, help="folder of part-*.json from earlier calls (resume; merge input)")
+    g.add_argument("--models", default=None, help="scenarios, comma-separated (default: llama3-8b,qwen3-30b-a3b)")
+    g.add_argument("--budgets", default=None, help="comma-separated (default: 2GiB,4GiB,8GiB)")
+    g.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU, simulated card")
+    g.add_argument("--deadline-epoch", type=float, default=None, help="when this device call ends (epoch s)")
+    g.add_argument("--carry", default="carry", help="folder with llama.cpp-src.tar.xz and the gguf wheel")
+    g.add_argument("--llamacpp-bin", default=None, help="an existing folder with llama-bench (skips the build)")
+    g.add_argument("--pack-bins", action="store_true", help="build-llamacpp: write packed binaries to --out")
+    g.add_argument("--tuned", default=None, help="llama.cpp tuned variants (default: all of llamacpp_plan.TUNED)")
+    g.add_argument("--no-batched", action="store_true", help="skip llama-batched-bench")
+    g.add_argument("--gguf-dtype", default="f16", choices=("f16", "bf16"))
+    g.add_argument("--corun-systems", default="slipstream,llama.cpp")
+    g.add_argument("--cap", default="24GiB", help="co-run: the card's size")
+    g.add_argument("--phases", default="6GiB:30,20GiB:30,6GiB:30", help="co-run: game working set:seconds")
+    g.add_argument("--results-dir", default=None, help="merge: where results.json/.md/PNGs go (default --out)")
+
+
+def machine_info() -> dict:
+    """CPU, GPU (through NVML, so this process never opens a CUDA context), versions."""
+    info: dict = {"host": platform.node(), "cpu_threads": os.cpu_count(), "python": platform.python_version()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        info["cpu"] = platform.machine()
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except ImportError:
+        pass
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        info["gpu"] = name.decode() if isinstance(name, bytes) else name
+        info["gpu_memory_bytes"] = int(pynvml.nvmlDeviceGetMemoryInfo(h).total)
+        drv = pynvml.nvmlSystemGetDriverVersion()
+        info["driver"] = drv.decode() if isinstance(drv, bytes) else drv
+        info["pcie"] = f"gen {pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)} x{pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)}"
+    except Exception as exc:  # noqa: BLE001 - a CPU-only machine
+        info["gpu"] = f"none ({type(exc).__name__})"
+    return info
+
+
+def command_line() -> str:
+    return "python -m engine bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \
+        if sys.argv and sys.argv[0].endswith("__main__.py") else " ".join(shlex.quote(a) for a in sys.argv)
+
+
+def _use_gguf_wheel(carry: Path) -> None:
+    """Import `gguf` from the carried wheel where it is not installed (a pure-Python zip imports as is)."""
+    try:
+        import gguf  # noqa: F401
+        return
+    except ImportError:
+        pass
+    for whl in sorted(carry.glob("gguf-*.whl")):
+        sys.path.insert(0, str(whl))
+        return
+
+
+def run(args: argparse.Namespace) -> int:
+    parts = [p for p in (args.part or "").split(",") if p]
+    bad = [p for p in parts if p not in PARTS]
+    if not parts or bad:
+        print(f"--part: expected one or more of {', '.join(PARTS)} (got {args.part!r})", file=sys.stderr)
+        return 2
+    if args.deadline_epoch:
+        os.environ["SLIPSTREAM_BENCH_DEADLINE"] = str(args.deadline_epoch)
+    if len(parts) > 1:                        # each part in its own process: no CUDA context carries over
+        code = 0
+        for p in parts:
+            argv = [a for a in sys.argv[1:]]
+            i = argv.index("--part") if "--part" in argv else None
+            if i is not None:
+                argv[i + 1] = p
+            else:
+                argv = [a if not a.startswith("--part=") else f"--part={p}" for a in argv]
+            print(f"=== part {p} ===", flush=True)
+            rc = subprocess.call([sys.executable, "-m", "engine", *argv])
+            code = code or rc
+        return code
+    from engine.bench import gpu_parts
+
+    _use_gguf_wheel(Path(args.carry))
+    t0 = time.perf_counter()
+    rc = gpu_parts.run_part(parts[0], args, machine_info(), command_line())
+    print(f"part {parts[0]}: {time.perf_counter() - t0:.0f} s", flush=True)
+    return rc
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, indent=1, default=str)

@@ -1,0 +1,143 @@
+"""Slipstream rows: prefill 512/4096 and decode tokens/s at each budget, peak NVML, the plan it chose.
+
+One engine per scenario over random weights (drawn on the GPU), opened at the smallest budget; each
+larger budget is applied with `set_vram_budget` (a live re-plan, as in use), budgets ascending, so the
+NVML peak of a budget can only include leftovers of a smaller one. Per budget: a warm-up at each prompt
+length, then `runs` prefills of each length (prefill tokens/s = prompt tokens / time to first token; each
+prompt differs from its first byte on, so no cached prefix is reused) and one decode of 32 tokens after
+a 64-token prompt (tokens/s after the first). Batched decode: not supported by the engine yet, recorded
+as such. A scenario the engine cannot open (MoE before its support lands) gets rows that say why.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import traceback
+
+from engine.bench.scenarios import BATCHES, DECODE_TOKENS, PROMPTS
+from engine.bench.vram_poll import VramPoller
+
+DECODE_PROMPT = 64
+
+
+def open_engine(scenario, budget: int, device: str, n_ctx: int):
+    from engine.backends.torch_engine import TorchEngine
+    from engine.loading.random_init import random_model
+
+    cfg = scenario.engine_config()
+    loaded = random_model(cfg, seed=0, name=scenario.model)
+    eng = TorchEngine(loaded, device=device, vram_budget=budget, n_ctx=n_ctx)
+    del loaded
+    _empty_cache()
+    return eng
+
+
+def _empty_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _prompt(n: int, run: int) -> str:
+    return chr(ord("A") + run % 26) + "x" * (n - 1)      # the byte tokenizer: one token per byte
+
+
+def prefill_tps(eng, n: int, run: int) -> float:
+    for _ in eng.generate(_prompt(n, run), max_new_tokens=1):
+        pass
+    return float(eng.stats()["prefill_tokens_per_s"])
+
+
+def decode_tps(eng, run: int, n_new: int = DECODE_TOKENS) -> float:
+    for _ in eng.generate(_prompt(DECODE_PROMPT, run), max_new_tokens=n_new):
+        pass
+    return float(eng.stats()["decode_tokens_per_s"])
+
+
+def compact_plan(report: dict) -> dict:
+    """Per tier: kind, predicted ms, VRAM breakdown and how many sub-layers sit where."""
+    tiers = []
+    for t in report.get("tiers", []):
+        counts: dict[str, int] = {}
+        for p in t["placement"].values():
+            counts[p] = counts.get(p, 0) + 1
+        tiers.append({"tokens": t["tokens"], "plan": t["plan"], "predicted_ms": t["predicted_ms"],
+                      "vram": t["vram"], "placements": counts})
+    return {"budget": report.get("budget"), "step_tokens": report.get("step_tokens"), "tiers": tiers,
+            "in_use": report.get("in_use")}
+
+
+def measure_budget(eng, budget: int, runs: int, poll: VramPoller) -> dict:
+    eng.set_vram_budget(budget)
+    _empty_cache()
+    poll.samples.clear()
+    t0 = time.perf_counter()
+    for n in PROMPTS:                                    # warm-up at each length
+        prefill_tps(eng, n, 25)
+    decode_tps(eng, 24, 4)
+    out: dict = {}
+    for n in PROMPTS:
+        out[f"prefill{n}_tps"] = statistics.median(prefill_tps(eng, n, r) for r in range(runs))
+    out["decode_tps"] = decode_tps(eng, runs)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    return out
+
+
+def unsupported_rows(scenario, budgets, reason: str) -> list[dict]:
+    return [{"system": "slipstream", "model": scenario.model, "budget": name, "budget_bytes": b,
+             "peak_vram_bytes": None, "prefill512_tps": None, "prefill4096_tps": None, "decode_tps": None,
+             "command": None, "supported": False, "note": f"not supported yet: {reason}"}
+            for name, b in budgets]
+
+
+def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int, command: str,
+                 deadline, say=print) -> None:
+    todo = [(n, b) for n, b in budgets if not part.has(f"slipstream|{scenario.model}|{n}||")]
+    if not todo:
+        return
+    n_ctx = max(PROMPTS) + DECODE_TOKENS + DECODE_PROMPT + 64
+    t0 = time.perf_counter()
+    try:
+        eng = open_engine(scenario, todo[0][1], device, n_ctx)
+    except Exception as exc:  # noqa: BLE001 - an unsupported shape is a result, not a crash
+        say(f"slipstream {scenario.model}: cannot open ({type(exc).__name__}: {exc})")
+        (part.log_dir / f"{scenario.model}-open-error.txt").write_text(traceback.format_exc())
+        for row in unsupported_rows(scenario, todo, f"{type(exc).__name__}: {exc}"):
+            part.add(row)
+        return
+    open_s = time.perf_counter() - t0
+    say(f"slipstream {scenario.model}: opened in {open_s:.0f} s")
+    try:
+        with VramPoller([os.getpid()], 0.02) as poll:
+            for name, b in todo:
+                if not deadline.allows(90):
+                    say(f"  deadline: slipstream {scenario.model} at {name} left for a later call")
+                    break
+                m = measure_budget(eng, b, runs, poll)
+                report = eng.plan_report()
+                peak = poll.peak(os.getpid()) if poll.available else None
+                row = {"system": "slipstream", "model": scenario.model, "budget": name, "budget_bytes": b,
+                       "peak_vram_bytes": peak, "allowance_bytes": allowance,
+                       "engine_peak_bytes": (report.get("in_use") or {}).get("peak"),
+                       "fits": None if peak is None else peak <= b + allowance,
+                       **{k: m[k] for k in m if k.endswith("_tps")},
+                       **{f"decode_batch{n}_tps": None for n in BATCHES},
+                       "decode_batch_note": "not supported yet (batching in the engine comes later)",
+                       "command": command, "plan": compact_plan(report), "open_seconds": round(open_s, 1),
+                       "seconds": m["seconds"], "device": device, "supported": True,
+                       "note": (scenario.note + "; " if scenario.note else "")
+                               + "one engine, budgets applied live with set_vram_budget, ascending"}
+                part.add(row)
+                (part.log_dir / f"{scenario.model}-{name}-plan.json").write_text(
+                    __import__("json").dumps(report, indent=1, default=str))
+                say(f"  slipstream {scenario.model} {name}: prefill {m['prefill512_tps']:.0f}/"
+                    f"{m['prefill4096_tps']:.0f} t/s, decode {m['decode_tps']:.2f} t/s, peak NVML "
+                    f"{(peak or 0) / 2**30:.2f} GiB, plan {[t['plan'] for t in row['plan']['tiers']]}")
+    finally:
+        eng.close()
+        del eng
+        _empty_cache()

@@ -1,0 +1,81 @@
+"""Partial results (resume, deadline) and the merge into results.json / results.md / plots."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from engine.bench.gpu_merge import load_parts, merge, table
+from engine.bench.partials import Deadline, Partial, row_key
+
+GiB = 1 << 30
+
+
+def _row(system: str, budget: str, decode: float, **kw) -> dict:
+    return {"system": system, "model": "llama3-8b", "budget": budget, "budget_bytes": int(budget[0]) * GiB,
+            "peak_vram_bytes": int(budget[0]) * GiB, "prefill512_tps": 100.0, "prefill4096_tps": 200.0,
+            "decode_tps": decode, "command": f"cmd {system}", **kw}
+
+
+def test_partial_saves_every_row_and_resumes_from_a_prior_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_BENCH_WORK", str(tmp_path / "work"))
+    first = Partial(tmp_path / "call1", "llamacpp", machine={"gpu": "H200"})
+    first.add(_row("llama.cpp-default", "2GiB", 5.0))
+    first.state["learned_c"] = {"x": 1.0}
+    first.save()
+    again = Partial(tmp_path / "call3", "llamacpp", prior_dir=tmp_path / "call1", machine={"gpu": "H200"})
+    assert again.has(row_key(_row("llama.cpp-default", "2GiB", 0))) and not again.has("nothing")
+    assert again.state["learned_c"] == {"x": 1.0}
+    again.add(_row("llama.cpp-default", "2GiB", 6.0))                       # same key: replaced
+    again.add(_row("llama.cpp-default", "4GiB", 7.0))
+    data = json.loads((tmp_path / "call3" / "part-llamacpp.json").read_text())
+    assert [r["decode_tps"] for r in data["rows"]] == [6.0, 7.0] and len(data["machines"]) == 2
+    (again.log_dir / "run.out").write_text("raw")
+    assert again.pack_logs().name == "llamacpp-logs.tar.xz"
+
+
+def test_deadline(monkeypatch):
+    monkeypatch.delenv("SLIPSTREAM_BENCH_DEADLINE", raising=False)
+    assert Deadline().allows(1e9)
+    d = Deadline(time.time() + 100)
+    assert d.allows(50) and not d.allows(200) and d.cap(300) <= 100 and d.cap(10) == 10
+    monkeypatch.setenv("SLIPSTREAM_BENCH_DEADLINE", str(time.time() - 1))
+    assert not Deadline().allows(0) and Deadline().cap(60) == 1.0
+
+
+def test_merge_writes_results_with_bound_rows_sorted_and_a_table(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_BENCH_WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+    s = Partial(out, "slipstream", machine={"gpu": "NVIDIA H200", "cpu": "Xeon"})
+    s.add(_row("slipstream", "4GiB", 6.0, plan={"tiers": [{"tokens": 1, "plan": "dynamic"},
+                                                          {"tokens": 4096, "plan": "gpu_only"}]},
+               decode_batch4_tps=None, decode_batch_note="not supported yet (batching comes later)"))
+    s.add(_row("slipstream", "2GiB", 4.0))
+    ll = Partial(out, "llamacpp")
+    ll.add(_row("llama.cpp-tuned", "4GiB", 6.7, plan={"x": 33, "flags": ["-ngl", "33"]}, fits=True))
+    ll.add(_row("llama.cpp-default", "4GiB", 5.7, plan={"x": 7, "flags": ["-ngl", "7"]}, fits=False))
+    co = Partial(out, "corun")
+    co.add({"system": "slipstream", "model": "llama3-8b", "budget": "auto", "scenario": "corun",
+            "per_phase": [{"game_fps": 60.0, "model_tps": 30.0}, {"game_fps": 58.0, "model_tps": 4.0}],
+            "game_ooms": 0, "game_oom_stall_s": 0.0, "card_over_cap_s": 0.0, "model_errors": 0, "cap_bytes": 24 * GiB,
+            "timeline": {"game": [[0, 60, 5, 1, 1, 0]], "model_tps": [[0, 30]], "vram": [[0, 1, 1, 1]],
+                         "budget_events": [[0, GiB, "first"]], "oom_events": []}})
+    co.add({"system": "llama.cpp", "model": "llama3-8b", "budget": "fixed", "scenario": "corun",
+            "note": "llama.cpp not available here"})
+    assert set(load_parts([out])) == {"slipstream", "llamacpp", "corun"}
+    res_dir = tmp_path / "results"
+    assert merge([out], res_dir, say=lambda m: None) == 0
+    result = json.loads((res_dir / "results.json").read_text())
+    assert {"machine", "date", "rows", "corun", "notes"} <= set(result)
+    keys = [(r["budget"], r["system"]) for r in result["rows"]]
+    assert keys == [("2GiB", "slipstream"), ("2GiB", "bound"), ("4GiB", "slipstream"),
+                    ("4GiB", "llama.cpp-default"), ("4GiB", "llama.cpp-tuned"), ("4GiB", "bound")]
+    for r in result["rows"]:
+        assert {"system", "model", "budget", "peak_vram_bytes", "prefill4096_tps", "decode_tps", "command"} <= set(r)
+    md = (res_dir / "results.md").read_text()
+    assert "| llama3-8b | 4GiB | llama.cpp-default | 4.00 | **no** |" in md
+    assert "dynamic (decode) / gpu_only (tier 4096)" in md and "not available here" in md
+    assert "| slipstream | auto | 60 / 58 | 30.0 / 4.0 | 0 (0.0) | 0.0 | 0 |" in md
+    assert (res_dir / "results_decode.png").stat().st_size > 1000
+    assert (res_dir / "corun_timeline.png").stat().st_size > 1000
+    assert table([]).count("\n") == 1
