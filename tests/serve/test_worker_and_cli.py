@@ -106,19 +106,23 @@ def test_worker_api_start_on_a_busy_port_says_so(worker):
 
 
 def test_unload_waits_for_a_running_api_answer_and_then_503(worker):
+    import http.client
+
     worker.send("api_start", id="api-1", port=0, key=KEY)
     address = worker.wait_for("api", id="api-1")["address"]
     port = int(address.rsplit(":", 1)[1].split("/")[0])
-    result: dict = {}
-    t = threading.Thread(target=lambda: result.update(r=request(port, "POST", "/v1/chat/completions", {
-        "messages": MESSAGES, "max_tokens": 60, "temperature": 0})))
-    t.start()
-    time.sleep(0.3)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({
+        "messages": MESSAGES, "max_tokens": 60, "temperature": 0, "stream": True}),
+        headers={"Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert b'"role":"assistant"' in resp.readline()        # the answer has the engine now
     worker.send("unload", id="unload-1")
+    rest = resp.read()                                     # it runs to its end, the unload waits
+    conn.close()
+    assert b'"finish_reason":"length"' in rest and rest.rstrip().endswith(b"data: [DONE]")
     worker.wait_for("unloaded", id="unload-1")
-    t.join(60)
-    status, body, _ = result["r"]
-    assert status == 200 and body["choices"][0]["finish_reason"] == "length"
     status, body, _ = request(port, "POST", "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2})
     assert status == 503 and "no model is loaded" in body["error"]["message"]
 
