@@ -68,7 +68,7 @@ _ARCH_DEFAULTS: dict[str, dict] = {
     "qwen3": {"rope_theta": 1000000.0, "attention_bias": False},
     # Mixtures of experts: 8 experts, top-2 (qwen3_moe's experts narrower than its dense FFN width).
     "qwen3_moe": {"rope_theta": 1000000.0, "attention_bias": False, "num_experts": 8, "num_experts_per_tok": 2,
-                  "moe_intermediate_size": 48, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                  "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
                   "mlp_only_layers": []},
     "mixtral": {"rope_theta": 1000000.0, "num_local_experts": 8, "num_experts_per_tok": 2,
                 "intermediate_size": 64, "sliding_window": None},
@@ -239,7 +239,8 @@ def tiny_model_cache(arch: str, **options) -> Path:
 
 # ---- GGUF files written from tiny HF folders (what llama.cpp's converter would write) -------------
 
-_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
+             "mixtral": "llama"}
 _GGUF_LAYER = {
     "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -248,12 +249,36 @@ _GGUF_LAYER = {
     "self_attn.v_proj.bias": "attn_v.bias", "self_attn.q_norm.weight": "attn_q_norm.weight",
     "self_attn.k_norm.weight": "attn_k_norm.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
 }
+# Experts, stacked per layer as llama.cpp's converter writes them: HF part name -> GGUF tensor.
+_GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 _GGUF_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
 
 
+def _stack_experts(tensors: dict) -> dict:
+    """Per-expert HF tensors -> one stacked [E, rows, cols] tensor per layer and part (GGUF names)."""
+    import re
+
+    import torch
+
+    out, stacks = {}, {}
+    for name, t in tensors.items():
+        m = re.match(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if m is None:
+            out[name] = t
+        else:
+            stacks.setdefault(f"blk.{m.group(1)}.{_GGUF_EXPERTS[m.group(3)]}.weight", {})[int(m.group(2))] = t
+    for name, parts in stacks.items():
+        out[name] = torch.stack([parts[e] for e in sorted(parts)])
+    return out
+
+
 def _gguf_name(hf: str) -> str:
+    if hf.startswith("blk."):
+        return hf
     if hf in _GGUF_TOP:
         return _GGUF_TOP[hf]
     _, _, layer, rest = hf.split(".", 3)
@@ -327,6 +352,12 @@ def make_tiny_gguf(hf_folder: str | Path, path: str | Path, qtype: str = "F32") 
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_block_count(cfg["num_hidden_layers"])
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if arch == "qwen3moe":
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
     w.add_key_length(cfg["head_dim"])
@@ -361,12 +392,14 @@ def make_tiny_gguf(hf_folder: str | Path, path: str | Path, qtype: str = "F32") 
         tensors.update(load_file(str(f)))
     if ((cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type")) == "llama3":
         w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg))
+    tensors = _stack_experts(tensors)
     for name, t in tensors.items():
         arr = t.float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             arr = _converter_permute(arr, heads)
-        if arr.ndim == 2 and qtype != "F32":
+        router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))   # kept F32, as the converter does
+        if arr.ndim >= 2 and qtype != "F32" and not router:
             q = gguf.GGMLQuantizationType[qtype]
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(arr, q), raw_dtype=q)
         else:

@@ -33,6 +33,12 @@ SHAPES: dict[str, ModelConfig] = {
         num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
         max_position_embeddings=8192, tie_word_embeddings=True, dtype="bfloat16", bos_token_id=1,
         eos_token_ids=(2,)),
+    "qwen3-30b-a3b": ModelConfig(
+        arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=False, qk_norm=True, dtype="bfloat16",
+        eos_token_ids=(151645, 151643), num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        norm_topk_prob=True),
 }
 
 

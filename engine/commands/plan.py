@@ -20,7 +20,7 @@ LETTER = {"resident": "R", "streamed": "S", "cpu": "C"}
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a named shape (llama3-8b, qwen3-8b, qwen2.5-7b, "
-                   "smollm2-135m) or a path to a model file or folder")
+                   "smollm2-135m, qwen3-30b-a3b) or a path to a model file or folder")
     p.add_argument("--budget", required=True, help="VRAM budget, e.g. 4GiB, 512MB or a number of bytes")
     p.add_argument("--tiers", default=",".join(map(str, DEFAULT_TIERS)),
                    help="token tiers, comma separated (default %(default)s)")
@@ -59,10 +59,17 @@ def parse_tiers(text: str) -> tuple[int, ...]:
 
 
 def placement_map(plan: Plan) -> str:
-    """'E:C | RC RS ... | H:R': embedding, then attention+FFN letters per layer, then the head."""
+    """'E:C | RC RS ... | H:R': embedding, then attention+FFN letters per layer, then the head. A MoE
+    layer shows attention, router, ':' and its expert groups ('RR:SCCC')."""
     pl = {k: str(v) for k, v in plan.placement.items()}
     n_layers = sum(1 for k in pl if k.endswith(".attn"))
-    layers = " ".join(LETTER[pl[f"layers.{i}.attn"]] + LETTER[pl[f"layers.{i}.ffn"]] for i in range(n_layers))
+    experts: dict[int, str] = {}
+    for k, v in pl.items():
+        if ".experts." in k:
+            layer = int(k.split(".")[1])
+            experts[layer] = experts.get(layer, ":") + LETTER[v]
+    layers = " ".join(LETTER[pl[f"layers.{i}.attn"]] + LETTER[pl[f"layers.{i}.ffn"]] + experts.get(i, "")
+                      for i in range(n_layers))
     return f"E:{LETTER[pl['embed']]} | {layers} | H:{LETTER[pl['head']]}"
 
 
@@ -80,7 +87,8 @@ def print_table(name: str, cfg, spec, planset: PlanSet, prof, kv_tokens: int, ou
         print(f"{p.tier:>5}  {p.kind:<9}{p.predicted_ms:>10.1f}{tps:>10.1f}  " + "".join(
             f"{format_bytes(x):>11}" for x in (v.weights, v.kv, v.slots, v.scratch, v.total)), file=out)
     print(f"longer inputs run fastest in steps of {planset.step_tokens} tokens", file=out)
-    print("placement (E embedding | attention+FFN per layer | H head; R resident, S streamed, C cpu):",
+    moe = " (MoE: attention, router:expert groups)" if cfg.is_moe else ""
+    print(f"placement (E embedding | attention+FFN per layer{moe} | H head; R resident, S streamed, C cpu):",
           file=out)
     for p in planset.plans:
         print(f"{p.tier:>5}  {placement_map(p)}", file=out)

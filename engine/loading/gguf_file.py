@@ -5,6 +5,12 @@ quantized ones (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...) are dequantized to floa
 converter permutes the rows of Q and K for the "llama" architecture (its RoPE rotates adjacent pairs,
 transformers' rotates halves); that permutation is undone here so the weights are in transformers'
 layout. A llama3-style `rope_freqs.weight` tensor is turned back into a Hugging Face rope_scaling dict.
+
+Mixtures of experts: `qwen3moe` files, and `llama` files with `llama.expert_count` (Mixtral), become the
+qwen3_moe and mixtral architectures. Their router is `ffn_gate_inp`; the experts are stacked per layer
+(`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`, or a fused `ffn_gate_up_exps`; older Mixtral files store
+`ffn_gate.{e}` per expert) and are split into the engine's per-expert names. llama.cpp always renormalises
+the top-k routing weights of both, so `norm_topk_prob` is set.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ from engine.loading.gguf_tokenizer import EOG_TEXTS, build_gguf_tokenizer
 from engine.loading.rope_factors import llama3_scaling_from_factors
 from engine.loading.tokenizer import ChatTokenizer
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
+_MOE_ARCH = {"qwen3moe": "qwen3_moe", "llama": "mixtral"}   # GGUF arch with experts -> ModelConfig.arch
 _PERMUTED_ARCHS = ("llama",)
 _UNQUANTIZED = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _LAYER_NAMES = {
@@ -29,7 +36,11 @@ _LAYER_NAMES = {
     "attn_output.weight": "o.weight", "attn_q.bias": "q.bias", "attn_k.bias": "k.bias",
     "attn_v.bias": "v.bias", "attn_q_norm.weight": "q_norm.weight", "attn_k_norm.weight": "k_norm.weight",
     "ffn_gate.weight": "gate.weight", "ffn_up.weight": "up.weight", "ffn_down.weight": "down.weight",
+    "ffn_gate_inp.weight": "router.weight",
 }
+_STACKED = {"ffn_gate_exps.weight": ("gate",), "ffn_up_exps.weight": ("up",), "ffn_down_exps.weight": ("down",),
+            "ffn_gate_up_exps.weight": ("gate", "up")}
+_PER_EXPERT = {"ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
 _TOP_NAMES = {"token_embd.weight": "embed.weight", "output_norm.weight": "norm.weight",
               "output.weight": "head.weight"}
 
@@ -38,8 +49,14 @@ def canonical_name(gguf_name: str) -> str | None:
     if gguf_name in _TOP_NAMES:
         return _TOP_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+    if len(parts) != 3 or parts[0] != "blk" or not parts[1].isdigit():
+        return None
+    if parts[2] in _LAYER_NAMES:
         return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    kind, _, rest = parts[2].partition(".")          # older Mixtral files: blk.N.ffn_gate.E.weight
+    expert = rest.removesuffix(".weight")
+    if kind in _PER_EXPERT and rest.endswith(".weight") and expert.isdigit():
+        return f"layers.{parts[1]}.experts.{expert}.{_PER_EXPERT[kind]}.weight"
     return None
 
 
@@ -121,7 +138,8 @@ class GgufFile:
         eos += [i for i, t in enumerate(tokens or ()) if t in EOG_TEXTS]
         bos = self._get("tokenizer.ggml.bos_token_id", int, default=None)
         return ModelConfig(
-            arch=a, vocab_size=vocab, hidden_size=hidden,
+            arch=_MOE_ARCH[a] if self._get(f"{a}.expert_count", int, default=0) else a,
+            vocab_size=vocab, hidden_size=hidden,
             intermediate_size=self._get(f"{a}.feed_forward_length", int),
             num_layers=self._get(f"{a}.block_count", int),
             num_heads=heads,
@@ -138,7 +156,30 @@ class GgufFile:
             dtype=self._dtype(),
             bos_token_id=bos,
             eos_token_ids=tuple(dict.fromkeys(i for i in eos if i is not None)),
+            **self._moe_fields(),
         )
+
+    def _moe_fields(self) -> dict:
+        a = self.arch
+        experts = self._get(f"{a}.expert_count", int, default=0)
+        if not experts:
+            if a == "qwen3moe":
+                raise ModelLoadError(f"{self.path}: required metadata '{a}.expert_count' is missing")
+            return {}
+        if a not in _MOE_ARCH:
+            raise UnsupportedModelError(f"{self.path}: {a} with experts is not supported "
+                                        f"(supported: {', '.join(_MOE_ARCH)})")
+        gating = self._get(f"{a}.expert_gating_func", int, default=1)
+        if gating != 1:
+            raise UnsupportedModelError(f"{self.path}: {a}.expert_gating_func {gating} is not supported "
+                                        "(only 1, softmax)")
+        used = self._get(f"{a}.expert_used_count", int)
+        if not 0 < used <= experts:
+            raise ModelLoadError(f"{self.path}: metadata '{a}.expert_used_count' = {used} is not between 1 "
+                                 f"and the {experts} experts")
+        width = self._get(f"{a}.expert_feed_forward_length", int, default=None)
+        return {"num_experts": experts, "num_experts_per_tok": used, "norm_topk_prob": True,
+                "moe_intermediate_size": width or self._get(f"{a}.feed_forward_length", int)}
 
     def _rope_scaling(self, head_dim: int, rope_theta: float) -> tuple | None:
         kind = self._get(f"{self.arch}.rope.scaling.type", str, default="none")
@@ -210,6 +251,10 @@ class GgufFile:
         expected = {n for group in weight_names(cfg).values() for n in group}
         out: dict[str, torch.Tensor] = {}
         for name, t in self.tensors.items():
+            parts = name.split(".", 2)
+            if cfg.is_moe and len(parts) == 3 and parts[2] in _STACKED and parts[1].isdigit():
+                out.update(self._split_experts(t, int(parts[1]), _STACKED[parts[2]]))
+                continue
             canon = canonical_name(name)
             if canon is None or canon not in expected:
                 if name == "rope_freqs.weight":
@@ -225,6 +270,23 @@ class GgufFile:
         if missing:
             raise ModelLoadError(f"{self.path}: {len(missing)} weights missing, e.g. '{missing[0]}'")
         check_shapes(out, cfg, str(self.path))
+        return out
+
+    def _split_experts(self, t, layer: int, parts: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """A stacked [E, rows, cols] expert tensor -> one tensor per expert (and part)."""
+        cfg = self.config
+        if not cfg.is_moe_layer(layer):
+            raise UnsupportedModelError(f"{self.path}: tensor '{t.name}' is not part of a {cfg.arch} model")
+        w = self._tensor(t)
+        f, h = cfg.moe_intermediate_size, cfg.hidden_size
+        want = (cfg.num_experts, h, f) if parts == ("down",) else (cfg.num_experts, len(parts) * f, h)
+        if tuple(w.shape) != want:
+            raise ModelLoadError(f"{self.path}: tensor '{t.name}' has shape {tuple(w.shape)}, metadata says "
+                                 f"{want}")
+        out = {}
+        for e in range(cfg.num_experts):
+            for j, part in enumerate(parts):
+                out[f"layers.{layer}.experts.{e}.{part}.weight"] = w[e] if len(parts) == 1 else w[e, j * f:(j + 1) * f]
         return out
 
     # ---- tokenizer ---------------------------------------------------------------------------

@@ -4,6 +4,10 @@ Weights are read with safetensors' memory-mapped `safe_open`, one tensor at a ti
 precision stored (nothing is converted, so peak memory is the model's size once). Single files and
 sharded checkpoints (`model.safetensors.index.json`) are both read. Names are translated from the
 transformers layout (`model.layers.3.self_attn.q_proj.weight`) to the engine's (`layers.3.q.weight`).
+Mixture-of-experts checkpoints (qwen3_moe, mixtral) store one tensor per expert and matrix
+(`mlp.experts.5.gate_proj.weight`, mixtral's `block_sparse_moe.experts.5.w1.weight`), which map to
+`layers.3.experts.5.gate.weight`; the stacked layout transformers 5 uses in memory
+(`mlp.experts.gate_up_proj` [E, 2f, h], `mlp.experts.down_proj` [E, h, f]) is split per expert.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from engine.config import DENSE_ARCHS, ModelConfig, weight_names
+from engine.config import MOE_ARCHS, SUPPORTED_ARCHS, ModelConfig, weight_names, weight_shapes
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.loading.tokenizer import ChatTokenizer
 
@@ -31,6 +35,12 @@ _LAYER_NAMES = {
 _TOP_NAMES = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
               "lm_head.weight": "head.weight"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^(mlp\.experts\.\d+\.(?:gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123])"
+                        r"\.weight$")
+_EXPERT_PARTS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up",
+                 "w2": "down"}
+_ROUTERS = ("mlp.gate.weight", "block_sparse_moe.gate.weight")
+_STACKED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
            "half": "float16", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -41,8 +51,15 @@ def canonical_name(hf_name: str) -> str | None:
     if hf_name in _TOP_NAMES:
         return _TOP_NAMES[hf_name]
     m = _LAYER_RE.match(hf_name)
-    if m and m.group(2) in _LAYER_NAMES:
+    if m is None:
+        return None
+    if m.group(2) in _LAYER_NAMES:
         return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m.group(2) in _ROUTERS:
+        return f"layers.{m.group(1)}.router.weight"
+    if _EXPERT_RE.match(m.group(2)):
+        _, _, expert, part, _ = m.group(2).split(".")
+        return f"layers.{m.group(1)}.experts.{expert}.{_EXPERT_PARTS[part]}.weight"
     return None
 
 
@@ -86,9 +103,9 @@ def read_hf_config(folder: Path) -> ModelConfig:
     arch = raw.get("model_type")
     if arch is None:
         raise ModelLoadError(f"{path}: required field 'model_type' is missing")
-    if arch not in DENSE_ARCHS:
+    if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModelError(
-            f"{path}: model_type '{arch}' is not supported (supported: {', '.join(DENSE_ARCHS)})")
+            f"{path}: model_type '{arch}' is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
     hidden = _field(raw, "hidden_size", int, path)
     heads = _field(raw, "num_attention_heads", int, path)
     head_dim = _field(raw, "head_dim", int, path, default=None) or hidden // heads
@@ -101,7 +118,7 @@ def read_hf_config(folder: Path) -> ModelConfig:
     if scaling.get("rope_type", "default") == "default":
         scaling = {}
     window = raw.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and not raw.get("use_sliding_window", False):
         window = None
     gen = _read_json(folder / "generation_config.json") if (folder / "generation_config.json").is_file() else {}
     eos = list(dict.fromkeys(_ids(raw.get("eos_token_id")) + _ids(gen.get("eos_token_id"))))
@@ -125,12 +142,33 @@ def read_hf_config(folder: Path) -> ModelConfig:
         max_position_embeddings=_field(raw, "max_position_embeddings", int, path, default=4096),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=arch == "qwen2" or bool(raw.get("attention_bias", False)),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "qwen3_moe"),
         sliding_window=int(window) if window else None,
         dtype=_DTYPES[dtype_name],
         bos_token_id=int(bos) if bos is not None else None,
         eos_token_ids=tuple(eos),
+        **(_moe_fields(raw, arch, path) if arch in MOE_ARCHS else {}),
     )
+
+
+def _moe_fields(raw: dict, arch: str, path: Path) -> dict:
+    """The mixture-of-experts fields of a qwen3_moe or mixtral config.json."""
+    key = "num_experts" if arch == "qwen3_moe" and raw.get("num_experts") is not None else "num_local_experts"
+    experts = _field(raw, key, int, path)
+    top_k = _field(raw, "num_experts_per_tok", int, path)
+    if top_k > experts:
+        raise ModelLoadError(f"{path}: field 'num_experts_per_tok' = {top_k} is more than the {experts} experts")
+    if arch == "mixtral":
+        return {"num_experts": experts, "num_experts_per_tok": top_k, "norm_topk_prob": True,
+                "moe_intermediate_size": _field(raw, "intermediate_size", int, path)}
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ModelLoadError(f"{path}: field 'mlp_only_layers' = {only!r} is not a list of layer numbers")
+    return {"num_experts": experts, "num_experts_per_tok": top_k,
+            "moe_intermediate_size": _field(raw, "moe_intermediate_size", int, path),
+            "norm_topk_prob": _field(raw, "norm_topk_prob", bool, path, default=False),
+            "decoder_sparse_step": _field(raw, "decoder_sparse_step", int, path, default=1),
+            "mlp_only_layers": tuple(sorted(set(only)))}
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -178,6 +216,9 @@ def load_hf_weights(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     for file in safetensors_files(folder):
         with _open(file) as f:
             for hf_name in list(f.keys()):
+                if _STACKED_RE.match(hf_name) and cfg.is_moe:
+                    weights.update(_split_stacked(f, hf_name, file, cfg))
+                    continue
                 name = canonical_name(hf_name)
                 if name == "head.weight" and cfg.tie_word_embeddings:
                     continue  # a tied checkpoint may still store the head; the embedding is the head
@@ -197,19 +238,31 @@ def load_hf_weights(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return weights
 
 
+def _split_stacked(f, hf_name: str, file: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """transformers 5's stacked experts of one layer -> one canonical tensor per expert and matrix."""
+    layer, kind = _STACKED_RE.match(hf_name).groups()
+    if not cfg.is_moe_layer(int(layer)):
+        raise UnsupportedModelError(f"{file}: tensor '{hf_name}' is not part of a {cfg.arch} model as "
+                                    f"configured in config.json (layer {layer} has no experts)")
+    try:
+        t = f.get_tensor(hf_name)
+    except Exception as exc:
+        raise ModelLoadError(f"{file}: tensor '{hf_name}' cannot be read ({exc})") from exc
+    e, fi, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    want = (e, 2 * fi, h) if kind == "gate_up_proj" else (e, h, fi)
+    if tuple(t.shape) != want:
+        raise ModelLoadError(f"{file}: tensor '{hf_name}' has shape {tuple(t.shape)}, config says {want}")
+    p = f"layers.{layer}.experts."
+    if kind == "down_proj":
+        return {f"{p}{i}.down.weight": t[i] for i in range(e)}
+    out = {f"{p}{i}.gate.weight": t[i, :fi] for i in range(e)}
+    out.update({f"{p}{i}.up.weight": t[i, fi:] for i in range(e)})
+    return out
+
+
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The shape every canonical weight must have under `cfg`."""
-    h, q, kv, d = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.head_dim
-    per_layer = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,), "q.weight": (q, h),
-                 "k.weight": (kv, h), "v.weight": (kv, h), "o.weight": (h, q), "q.bias": (q,),
-                 "k.bias": (kv,), "v.bias": (kv,), "q_norm.weight": (d,), "k_norm.weight": (d,),
-                 "gate.weight": (cfg.intermediate_size, h), "up.weight": (cfg.intermediate_size, h),
-                 "down.weight": (h, cfg.intermediate_size)}
-    shapes = {"embed.weight": (cfg.vocab_size, h), "norm.weight": (h,), "head.weight": (cfg.vocab_size, h)}
-    for name in (n for group in weight_names(cfg).values() for n in group):
-        if name.startswith("layers."):
-            shapes[name] = per_layer[name.split(".", 2)[2]]
-    return shapes
+    return weight_shapes(cfg)
 
 
 def check_shapes(weights: dict[str, torch.Tensor], cfg: ModelConfig, source: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import ModelConfig, weight_names
+from engine.config import ModelConfig, weight_names, weight_shape
 from engine.loading.loaded import LoadedModel
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,19 +34,6 @@ class ByteTokenizer:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if add_generation_prompt else "")
 
 
-def _shape(cfg: ModelConfig, name: str) -> tuple[int, ...]:
-    h, leaf = cfg.hidden_size, name.split(".", 2)[-1] if name.startswith("layers.") else name
-    return {
-        "embed.weight": (cfg.vocab_size, h), "head.weight": (cfg.vocab_size, h), "norm.weight": (h,),
-        "attn_norm.weight": (h,), "ffn_norm.weight": (h,),
-        "q.weight": (cfg.q_size, h), "k.weight": (cfg.kv_size, h), "v.weight": (cfg.kv_size, h),
-        "o.weight": (h, cfg.q_size), "q.bias": (cfg.q_size,), "k.bias": (cfg.kv_size,),
-        "v.bias": (cfg.kv_size,), "q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,),
-        "gate.weight": (cfg.intermediate_size, h), "up.weight": (cfg.intermediate_size, h),
-        "down.weight": (h, cfg.intermediate_size),
-    }[leaf]
-
-
 def random_model(cfg: ModelConfig, seed: int = 0, name: str = "random") -> LoadedModel:
     dtype = _DTYPES[cfg.dtype]
     gen_device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,7 +43,7 @@ def random_model(cfg: ModelConfig, seed: int = 0, name: str = "random") -> Loade
         for n in names:
             if n in weights:
                 continue
-            shape = _shape(cfg, n)
+            shape = weight_shape(cfg, n)
             if n.endswith("norm.weight"):
                 weights[n] = torch.ones(shape, dtype=dtype)
                 continue

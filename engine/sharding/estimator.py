@@ -7,6 +7,14 @@ between CPU and GPU (bytes over PCIe plus a fixed latency) wherever consecutive 
 
 `engine.sharding.pipeline` then replays the executor's schedule of a step over those costs, for many
 placements at once, and reports the steady-state step time.
+
+Mixture-of-experts layers: a step of t tokens reads only the experts its tokens are routed to. Assuming
+uniform routing (each token picks k of the E experts independently of the others; real routers are
+skewed, which touches fewer), an expert group of G experts has ~G(1 - (1 - k/E)^t) touched experts, each
+a matmul over t*k*G/E / touched rows on average, and per-op overhead per touched expert. So a decode
+step on the CPU reads about k/E of the expert bytes while a long prefill reads them all; streaming a
+group copies the whole group whatever the tier. Crossing sides inside a MoE layer moves the MoE state
+(hidden state, normed input, partial sum and the routing), not just the hidden state.
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from engine.sharding.spec import DTYPE_BYTES, ModelSpec
 
 __all__ = ["CPU", "RES", "STR", "Estimator", "StepCosts", "step_costs"]
 CODE = {Placement.CPU: CPU, Placement.RESIDENT: RES, Placement.STREAMED: STR}
-OPS = {"embed": 1, "attn": 14, "ffn": 7, "head": 3}   # kernels per sub-layer (per-op overhead)
+OPS = {"embed": 1, "attn": 14, "ffn": 7, "head": 3, "router": 9, "experts": 1}   # kernels per sub-layer
+OPS_PER_EXPERT = 7     # kernels per touched expert (gather, gate/up, silu, mul, down, scale, index_add)
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,9 @@ class StepCosts:
     to_cpu_ms: float          # moving the hidden state to the host
     out_ms: float             # logits back to the host when the last sub-layer ran on the GPU
     stream_ms: float = 0.0    # host work per streamed sub-layer (issue its copy, order compute after it)
+    # extra milliseconds of moving sub-layer i's input to the host beyond `to_cpu_ms` (a MoE state is
+    # larger than the hidden state); None = none
+    to_cpu_extra_ms: np.ndarray | None = None
 
 
 def dtype_name(spec: ModelSpec) -> str:
@@ -59,12 +71,20 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
                 t = (prof.gemm_ms(side, dt, "attn", sub.flops_per_token, n)
                      + prof.attention_ms(side, dt, ctx * sub.kv_bytes_per_token,
                                          n * ctx * sub.attn_flops_per_token_ctx))
-            elif sub.kind == "ffn":
+            elif sub.kind in ("ffn", "router"):
                 t = prof.gemm_ms(side, dt, "ffn", sub.flops_per_token, n)
+            elif sub.kind == "experts":
+                touched = spec.expected_experts(sub, n)
+                rows_per = n * cfg.num_experts_per_tok * sub.n_experts / cfg.num_experts / touched  # >= 1
+                t = touched * prof.gemm_ms(side, dt, "ffn", 6 * cfg.hidden_size * cfg.moe_intermediate_size,
+                                           rows_per)
             else:
                 t = prof.gemm_ms(side, dt, "head", sub.flops_per_token, rows)
             # The CPU pays each op's dispatch in turn; a GPU runs kernels while the host issues more.
-            issue = prof.op_ms(side, OPS[sub.kind])
+            n_ops = OPS[sub.kind]
+            if sub.kind == "experts":
+                n_ops += OPS_PER_EXPERT * spec.expected_experts(sub, n)
+            issue = prof.op_ms(side, n_ops)
             ms[side][i] = t + issue if side == "cpu" else max(t, issue)
     if not prof.has_gpu:   # any GPU placement costs infinity (crossings stay finite: 0 x inf is nan)
         ms["gpu"][:] = np.inf
@@ -72,8 +92,16 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
     hidden_bytes = n * cfg.hidden_size * db
     to_gpu = np.full(len(spec.sublayers), prof.move_ms(hidden_bytes, True))
     to_gpu[0] = prof.move_ms(n * 8, True)
-    return StepCosts(ms["gpu"], ms["cpu"], to_gpu, prof.move_ms(hidden_bytes, False),
-                     prof.move_ms(rows * cfg.vocab_size * 4, False), prof.op_ms("gpu", 2))
+    to_cpu = prof.move_ms(hidden_bytes, False)
+    extra = None
+    if cfg.is_moe:
+        # Into an expert group: the MoE state (three hidden-sized tensors and the sorted routing).
+        state_bytes = 3 * hidden_bytes + n * cfg.num_experts_per_tok * 12
+        is_exp = np.array([s.kind == "experts" for s in spec.sublayers])
+        to_gpu[is_exp] = prof.move_ms(state_bytes, True)
+        extra = np.where(is_exp, prof.move_ms(state_bytes, False) - to_cpu, 0.0)
+    return StepCosts(ms["gpu"], ms["cpu"], to_gpu, to_cpu, prof.move_ms(rows * cfg.vocab_size * 4, False),
+                     prof.op_ms("gpu", 2), extra)
 
 
 def copy_costs(spec: ModelSpec, prof: ProfileDatabase) -> tuple[np.ndarray, np.ndarray]:

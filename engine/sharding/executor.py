@@ -4,7 +4,8 @@ Each sub-layer runs where its plan puts it: `resident` from its VRAM copy, `stre
 copy engine filled ahead of time (double-buffered: while one slot is computed on, the next streamed
 sub-layer is copied into the other; prefetch carries across steps), `cpu` from host memory. Activations
 cross between CPU and GPU only where consecutive sub-layers sit on different sides. The KV cache of a
-layer lives where that layer's attention runs.
+layer lives where that layer's attention runs. In a mixture-of-experts layer the router (`ffn`) and each
+expert group run where each is placed, the `MoeState` between them crossing sides like the hidden state.
 
 `activate(plan)` brings memory to the plan's state, releasing before admitting so that usage never
 exceeds the larger of the old and new budgets; a `between_sublayers` hook lets the engine re-plan
@@ -18,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from engine.config import ModelConfig, weight_names
-from engine.models import dense
+from engine.models import dense, moe
 from engine.models.rope import RotaryTable
 from engine.sharding.device import Accelerator
 from engine.sharding.kvcache import BLOCK_SIZE, PagedKVCache, Sequence
@@ -48,6 +49,14 @@ class Executor:
         self.slot_free_after: list = []             # compute event after the slot's last use
         self.between_sublayers: Callable[[], bool] | None = None
         self.copied_bytes = 0                       # weight bytes streamed so far (stats)
+        # MoE sub-layers: router name -> None; expert group name -> (its experts, last group of its layer)
+        self.moe_steps: dict[str, tuple[range, bool] | None] = {}
+        for i in range(cfg.num_layers):
+            if cfg.is_moe_layer(i):
+                self.moe_steps[f"layers.{i}.ffn"] = None
+                groups_i = cfg.expert_groups()
+                for g, experts in enumerate(groups_i):
+                    self.moe_steps[f"layers.{i}.experts.{g}"] = (experts, g == len(groups_i) - 1)
 
     # ---- memory state --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -178,13 +187,25 @@ class Executor:
             elif name.endswith(".attn"):
                 layer = int(name.split(".")[1])
                 x = self._attention(layer, w, x, seq, start, cos_sin[dev], masks[dev])
-            else:
+            elif name not in self.moe_steps:
                 x = dense.ffn_block(cfg, w, x)
+            else:
+                x = self._moe_step(self.moe_steps[name], w, x)
             if streamed and self.plan.placement[name] is Placement.STREAMED:
                 self._after_streamed(name, streamed)
         seq.length = start + n
         seq.token_ids.extend(ids)
         return self._move(x, False)
+
+    def _moe_step(self, step: tuple[range, bool] | None, w, x):
+        if step is None:   # the router: its per-expert counts go to the host (a non-spinning wait on CUDA)
+            return moe.router_block(self.cfg, w, x, self._wait_gpu if x.device.type == "cuda" else None)
+        experts, last = step
+        x = moe.experts_block(self.cfg, w, x, experts)
+        return moe.finish(x) if last else x
+
+    def _wait_gpu(self) -> None:
+        self.accel.wait_event_host(self.accel.compute_event())
 
     def _head(self, w, x: torch.Tensor) -> torch.Tensor:
         """Logits in chunks of HEAD_ROWS rows, each moved to the CPU at once, so the float32 logits of a

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from engine.config import ModelConfig, weight_names
+from engine.config import ModelConfig, weight_shapes
 from engine.sharding.plan import Placement, VramBreakdown
 from engine.sharding.spec import ModelSpec
 
@@ -25,17 +25,7 @@ WORKSPACE_MAX = 32 << 20    # BLAS / attention workspace of a real model (scaled
 
 def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every canonical weight (the names of `engine.config.weight_names`)."""
-    h, q, kv, f, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
-    local = {"attn_norm.weight": (h,), "q.weight": (q, h), "k.weight": (kv, h), "v.weight": (kv, h),
-             "o.weight": (h, q), "q.bias": (q,), "k.bias": (kv,), "v.bias": (kv,),
-             "q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,), "ffn_norm.weight": (h,),
-             "gate.weight": (f, h), "up.weight": (f, h), "down.weight": (h, f),
-             "embed.weight": (v, h), "norm.weight": (h,), "head.weight": (v, h)}
-    out = {}
-    for names in weight_names(cfg).values():
-        for n in names:
-            out[n] = local[n.split(".", 2)[-1] if n.startswith("layers.") else n]
-    return out
+    return weight_shapes(cfg)
 
 
 @lru_cache(maxsize=64)
@@ -63,8 +53,11 @@ def scratch_bytes(spec: ModelSpec, tier: int) -> int:
     """Activations and workspace on the GPU for a step of `tier` new tokens, margin included.
 
     Peak of one sub-layer's temporaries: the residual stream and its float32 norm, plus the largest of
-    attention (q, k, v, rotary copies, output), the FFN (gate, up, product) and the head (float32 logits of
-    at most HEAD_ROWS_MAX rows). Attention itself is assumed to run in a fused kernel (no [n, ctx] scores).
+    attention (q, k, v, rotary copies, output), the FFN (gate, up, product), the MoE block and the head
+    (float32 logits of at most HEAD_ROWS_MAX rows). Attention itself is assumed to run in a fused kernel
+    (no [n, ctx] scores). The MoE block holds the normed input and the output sum across its groups, the
+    float32 router probabilities, the routing (top-k ids and weights, sorted) and one expert's
+    temporaries for at most all t rows (gathered input, gate/up, product, output).
     """
     cfg, db = spec.config, spec.dtype_bytes
     t, h = max(int(tier), 1), cfg.hidden_size
@@ -72,6 +65,10 @@ def scratch_bytes(spec: ModelSpec, tier: int) -> int:
     resid = t * h * db + 2 * t * h * 4
     attn = t * db * (4 * cfg.q_size + 2 * cfg.kv_size)
     ffn = 3 * t * cfg.intermediate_size * db
+    if cfg.is_moe:
+        k, f = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        moe = t * (2 * h * db + 3 * cfg.num_experts * 4 + 4 * k * 8 + (3 * h + 4 * f) * db)
+        ffn = max(ffn, moe)
     head = rows * (2 * h * 4 + cfg.vocab_size * (db + 4))
     workspace = min(WORKSPACE_MAX, spec.total_weight_bytes // 64)
     return math.ceil((resid + max(attn, ffn, head)) * SCRATCH_MARGIN) + workspace

@@ -68,9 +68,11 @@ class Pipeline:
         last = np.zeros(B)                              # end of the last scheduled copy
         w_busy = 1.0 - rho
 
-        def schedule() -> None:
+        def schedule(rows: np.ndarray) -> None:
+            """Issue every copy that `rows` may start now (only rows whose `done` just grew can)."""
+            b = rows
             while True:
-                b = np.nonzero(qs < np.minimum(done + n_slots, n_copies))[0]
+                b = b[qs[b] < np.minimum(done[b] + n_slots, n_copies[b])]
                 if not len(b):
                     return
                 q = qs[b]
@@ -81,17 +83,20 @@ class Pipeline:
                 last[b] = end
                 qs[b] += 1
 
+        to_cpu = np.full(S, costs.to_cpu_ms)
+        if costs.to_cpu_extra_ms is not None:
+            to_cpu = to_cpu + costs.to_cpu_extra_ms
         t = np.zeros(B)
         prev_gpu = np.zeros(B, dtype=bool)
         ends = []
         for step in (0, 1):
             if step == 0 and len(str_rows) and any(len(x) for x in str_rows):
-                schedule()
+                schedule(np.arange(B))
             for i in range(S):
                 g = on_gpu[i]
                 all_gpu, all_cpu = uniform[i]
                 changed = g ^ prev_gpu
-                ready = t + (changed & g) * costs.to_gpu_ms[i] + (changed & ~g) * costs.to_cpu_ms
+                ready = t + (changed & g) * costs.to_gpu_ms[i] + (changed & ~g) * to_cpu[i]
                 rows = str_rows[i]
                 if len(rows):
                     gord = step * n_str[rows] + ordn[i, rows]
@@ -108,7 +113,7 @@ class Pipeline:
                     e[rows] += costs.stream_ms
                     e_str[gord * B + rows] = e[rows]
                     done[rows] += 1
-                    schedule()
+                    schedule(rows)
                 t = e
                 prev_gpu = g
             t = t + prev_gpu * costs.out_ms

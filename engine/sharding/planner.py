@@ -13,6 +13,15 @@ except in forced gpu_only plans, which put every sub-layer on the GPU. Kinds, by
 gather does not count as CPU compute): `gpu_only` computes nothing on the CPU (non-resident sub-layers
 stream), `static` streams nothing (resident by priority, the rest on the CPU), `dynamic` does both.
 
+Mixture-of-experts models: the units that become resident or stream after attention are the expert
+groups (and the dense FFNs of layers without experts), front to back; a MoE layer's router is resident
+whenever its attention runs on the GPU and on the CPU otherwise (it is tiny, and the hidden state is
+then already where it runs). So the static plan keeps attention, routers and the head resident with the
+experts on the CPU, and dynamic plans stream expert groups. As a MoE model has many more units than
+layers, r runs over a geometric ladder (steps of at most ~15%) of attention layers up to k and then of
+units past it, and m over powers of two, which keeps the planning time within a few times a dense
+model's.
+
 Each member's VRAM (`engine.sharding.memory`) and predicted time per tier (`engine.sharding.estimator`)
 are computed once per KV capacity (about a second for an 8B model); a plan is then a lookup of the
 fastest member under the budget, per tier (about a millisecond). All tiers of a PlanSet share k (the KV
@@ -42,6 +51,9 @@ from engine.units import format_bytes, parse_bytes
 _PLACEMENT = {CPU: Placement.CPU, RES: Placement.RESIDENT, STR: Placement.STREAMED}
 REFERENCE_DECODE = 256   # decode steps in the reference workload that `score` prices
 _M_STEPS = (0, 1, 2, 3, 4, 6, 8, 11, 16, 22, 32, 45, 64, 90, 128)   # streamed FFN counts tried
+_UNIT_LADDER = 0.15     # MoE: relative step of the resident prefix lengths tried
+_M_STEPS_MOE = (0, 1, 2, 4, 8, 16, 32, 64, 128)   # streamed unit counts tried for MoE models
+_PIPELINE_CELLS = 1 << 22   # members x sub-layers replayed at once (~50 bytes of working memory each)
 
 
 def token_tiers(limit: int) -> tuple[int, ...]:
@@ -73,18 +85,24 @@ class Family:
     def __init__(self, spec: ModelSpec, n_slots: int):
         subs = spec.sublayers
         idx = {s.name: i for i, s in enumerate(subs)}
-        L = spec.config.num_layers
+        cfg = spec.config
+        L = cfg.num_layers
         attn = [idx[f"layers.{j}.attn"] for j in range(L)]
-        ffn = [idx[f"layers.{j}.ffn"] for j in range(L)]
+        # The FFN units in priority order: a dense layer's FFN, or a MoE layer's expert groups.
+        ffn = [i for i, s in enumerate(subs) if s.kind in ("ffn", "experts")]
+        routers = [idx[f"layers.{j}.ffn"] if cfg.is_moe_layer(j) else None for j in range(L)]
         head, embed = idx["head"], idx["embed"]
         blocks, ks = [], []
         for k in attention_choices(L):
             order = attn[:k] + ffn
-            for r in range(len(order) + 1):
+            r_values = range(len(order) + 1) if not cfg.is_moe else _resident_counts(k, len(ffn))
+            for r in r_values:
                 base = np.full(len(subs), CPU, dtype=np.int8)
                 base[attn[:k]] = STR
+                base[[x for x in routers[:k] if x is not None]] = RES
                 base[order[:r]] = RES
-                rows = self._ffn_patterns(base, [f for f in ffn if base[f] != RES])
+                rows = self._ffn_patterns(base, [f for f in ffn if base[f] != RES],
+                                          _M_STEPS_MOE if cfg.is_moe else _M_STEPS)
                 for head_at, head_rows in ((CPU, rows), (RES, rows), (STR, rows)):
                     head_rows = head_rows.copy()
                     head_rows[:, head] = head_at
@@ -114,10 +132,10 @@ class Family:
         self.any_gpu = (self.place != CPU).any(1)
 
     @staticmethod
-    def _ffn_patterns(base: np.ndarray, free: list[int]) -> np.ndarray:
+    def _ffn_patterns(base: np.ndarray, free: list[int], m_steps: tuple[int, ...]) -> np.ndarray:
         """One row per m: m of the `free` FFNs streamed, spread evenly (Bresenham), the rest on the CPU."""
         n = len(free)
-        ms = sorted({min(m, n) for m in _M_STEPS} | {n})
+        ms = sorted({min(m, n) for m in m_steps} | {n})
         rows = np.repeat(base[None, :], len(ms), axis=0)
         if n:
             j = np.arange(n)[None, :]
@@ -127,6 +145,22 @@ class Family:
             sub[pick] = STR
             rows[:, free] = sub
         return rows
+
+
+def _ladder(n: int) -> list[int]:
+    """0..n: every value up to 8, then values growing by _UNIT_LADDER, then n."""
+    out, u = set(range(min(8, n) + 1)), 8
+    while u < n:
+        out.add(u)
+        u = max(u + 1, round(u * (1 + _UNIT_LADDER)))
+    out.add(n)
+    return sorted(out)
+
+
+def _resident_counts(k: int, n_units: int) -> list[int]:
+    """Resident prefix lengths tried for a MoE model with k GPU attention layers: a ladder over the
+    attention layers, then k plus a ladder over the units."""
+    return _ladder(k)[:-1] + [k + u for u in _ladder(n_units)]
 
 
 def _round_significant(x: np.ndarray, digits: int) -> np.ndarray:
@@ -205,9 +239,14 @@ class Planner:
             fixed = fam.weights + fam.slots + fam.k * kv_layer
             vram = fixed[:, None] + fam.any_gpu[:, None] * scratch[None, :]
             est = self.estimator
-            pipe = est.pipeline(fam.place, self.n_slots)   # one schedule structure, priced per tier
-            ms = np.stack([pipe.run(est.costs(t, planning_context(t, kv_tokens)), est.rho)
-                           for t in self.tiers], 1)
+            costs = [est.costs(t, planning_context(t, kv_tokens)) for t in self.tiers]
+            # One schedule structure per block of members, priced per tier (blocks bound the memory of
+            # the replay for models with many sub-layers; a dense model's family is one block).
+            step = max(256, _PIPELINE_CELLS // fam.place.shape[1])
+            ms = np.concatenate([
+                np.stack([pipe.run(c, est.rho) for c in costs], 1)
+                for pipe in (est.pipeline(fam.place[a:a + step], self.n_slots)
+                             for a in range(0, len(fam.place), step))])
             ms = _round_significant(ms, 12)   # equal schedules compare equal despite rounding noise
             self._tables[kv_tokens] = (vram, ms)
         return self._tables[kv_tokens]

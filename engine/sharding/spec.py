@@ -2,6 +2,12 @@
 
 `ModelSpec.from_config` turns a `ModelConfig` into an ordered list of `SubLayerSpec` (embed, then
 attn/ffn per layer, then head). The planner prices these; the executor places the weights named here.
+
+A mixture-of-experts layer has three kinds of sub-layer: its attention, its `ffn` (kind "router": the
+norm and the router matmul) and its expert groups (kind "experts", `layers.{i}.experts.{g}`). An expert
+group's `flops_per_token` is the expected work of one token under uniform routing (k of E experts each,
+so k * n_experts / E of this group's experts per token); `expected_experts` says how many distinct
+experts of the group a step of t tokens touches, which is what the CPU or GPU reads of its weights.
 """
 
 from __future__ import annotations
@@ -15,14 +21,16 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 @dataclass(frozen=True, slots=True)
 class SubLayerSpec:
-    name: str                  # "embed" | "layers.{i}.attn" | "layers.{i}.ffn" | "head"
-    kind: str                  # "embed" | "attn" | "ffn" | "head"
+    name: str                  # "embed" | "layers.{i}.attn" | "layers.{i}.ffn" | "layers.{i}.experts.{g}"
+                               # | "head"
+    kind: str                  # "embed" | "attn" | "ffn" | "router" | "experts" | "head"
     layer: int | None
     weight_names: tuple[str, ...]
     weight_bytes: int          # bytes of all its weights at the run precision
     flops_per_token: int       # matmul FLOPs per new token (2 x MACs), excluding attention over the context
     kv_bytes_per_token: int    # KV cache bytes per cached token (attn only)
     attn_flops_per_token_ctx: int  # attention FLOPs per new token per context token (attn only)
+    n_experts: int = 0         # experts in this group (experts only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +64,33 @@ class ModelSpec:
                 subs.append(SubLayerSpec(
                     name, "attn", layer, names, (proj + extra) * db, 2 * proj,
                     2 * cfg.kv_size * kvb, 4 * cfg.num_heads * hd))
+            elif ".experts." in name:
+                layer, n_exp = int(name.split(".")[1]), len(names) // 3
+                mats = 3 * h * cfg.moe_intermediate_size      # one expert
+                used = cfg.num_experts_per_tok * n_exp / cfg.num_experts   # of its experts per token
+                subs.append(SubLayerSpec(name, "experts", layer, names, n_exp * mats * db,
+                                         round(2 * mats * used), 0, 0, n_exp))
+            elif cfg.is_moe_layer(int(name.split(".")[1])):
+                layer = int(name.split(".")[1])
+                subs.append(SubLayerSpec(name, "router", layer, names, (cfg.num_experts * h + h) * db,
+                                         2 * cfg.num_experts * h, 0, 0))
             else:
                 layer = int(name.split(".")[1])
                 mats = 3 * h * cfg.intermediate_size
                 subs.append(SubLayerSpec(name, "ffn", layer, names, (mats + h) * db, 2 * mats, 0, 0))
         return ModelSpec(cfg, db, kvb, tuple(subs))
+
+    def expected_experts(self, sub: SubLayerSpec, n_tokens: float) -> float:
+        """Distinct experts of group `sub` that a step of `n_tokens` tokens touches, in expectation,
+        assuming uniform routing (each token picks k of the E experts at random): an expert is missed
+        by one token with probability 1 - k/E, so the group of n touches n * (1 - (1 - k/E)^t)."""
+        cfg = self.config
+        miss = 1.0 - cfg.num_experts_per_tok / cfg.num_experts
+        return sub.n_experts * (1.0 - miss ** max(n_tokens, 0))
+
+    def expert_bytes(self, sub: SubLayerSpec) -> int:
+        """Bytes of one expert of group `sub` (its three matrices)."""
+        return sub.weight_bytes // max(sub.n_experts, 1)
 
     @property
     def total_weight_bytes(self) -> int:

@@ -4,6 +4,11 @@ Every sub-layer's tensors are packed into one contiguous host buffer (pinned on 
 full PCIe speed on the copy engine). A `resident` sub-layer also has a VRAM copy of that buffer; a
 `streamed` one is copied into a slot before use; a `cpu` one is computed from the host buffer. Views
 (name -> tensor) are cut from whichever buffer is used, so one copy moves a whole sub-layer.
+
+An expert group (`experts.{e}.gate/up/down.weight` for its experts, packed expert by expert) gets
+stacked views instead of one view per tensor: `experts.gate.weight`, `experts.up.weight` [G, f, h],
+`experts.down.weight` [G, h, f], and `experts.gate_up.weight` [G, 2f, h] where gate and up sit back to
+back, so picking an expert is an index and a streamed group costs four views, not 3G.
 """
 
 from __future__ import annotations
@@ -45,9 +50,13 @@ class SubLayerWeights:
         for s, t in zip(layout, tensors.values()):
             buf[s.offset:s.offset + s.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
         self.host = buf
+        self._stacks = _expert_stacks(self.layout)
         self._host_views = self.views(buf)
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self._stacks is not None:
+            return {name: buf[start:start + n * block].view(dtype).view(n, -1)[:, a:a + numel].view(n, *shape)
+                    for name, start, n, block, a, numel, shape, dtype in self._stacks}
         out = {s.local: buf[s.offset:s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in self.layout}
         # Matrices packed back to back also get one fused view (one matmul instead of several: fewer
         # kernel launches on the GPU, better bandwidth on the CPU). No bytes are copied.
@@ -74,6 +83,36 @@ class SubLayerWeights:
     @property
     def host_views(self) -> dict[str, torch.Tensor]:
         return self._host_views
+
+
+def _expert_stacks(layout: tuple[TensorSlot, ...]) -> list[tuple] | None:
+    """How to cut stacked views from an expert group's buffer (see the module docstring); None for any
+    other sub-layer. Each entry: (name, first byte, experts, bytes per expert, element offset within an
+    expert's block, elements, shape of one, dtype)."""
+    if not layout or not all(s.local.startswith("experts.") for s in layout):
+        return None
+    by_part: dict[str, list[TensorSlot]] = {}
+    for s in layout:
+        by_part.setdefault(s.local.split(".", 2)[2], []).append(s)
+    n, first = len(layout) // len(by_part), layout[0]
+    block = layout[len(by_part)].offset - first.offset if n > 1 else sum(
+        -(-s.nbytes // _ALIGN) * _ALIGN for s in layout)
+    stacks = []
+    for part, slots in by_part.items():
+        s = slots[0]
+        el = s.dtype.itemsize
+        if len(slots) != n or any(t.offset - s.offset != i * block for i, t in enumerate(slots)) or \
+                (s.offset - first.offset) % el or block % el:
+            raise ValueError(f"expert group laid out unevenly at {s.local}")
+        numel = s.nbytes // el
+        stacks.append((f"experts.{part.removesuffix('.weight')}.weight", first.offset, n, block,
+                       (s.offset - first.offset) // el, numel, s.shape, s.dtype))
+    gate, up = by_part.get("gate.weight"), by_part.get("up.weight")
+    if gate and up and gate[0].offset + gate[0].nbytes == up[0].offset and gate[0].shape == up[0].shape:
+        el = gate[0].dtype.itemsize
+        stacks.append(("experts.gate_up.weight", first.offset, n, block, (gate[0].offset - first.offset) // el,
+                       2 * gate[0].nbytes // el, (2 * gate[0].shape[0], *gate[0].shape[1:]), gate[0].dtype))
+    return stacks
 
 
 class WeightStore:

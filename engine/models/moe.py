@@ -1,0 +1,96 @@
+"""The mixture-of-experts FFN (qwen3_moe, mixtral) as two kinds of sub-layer over a `MoeState`.
+
+`router_block` (the `layers.{i}.ffn` sub-layer of a MoE layer) normalises the residual stream, scores
+the experts and picks each token's top k; it returns a `MoeState` that carries the layer through its
+expert groups. `experts_block` (one `layers.{i}.experts.{g}` sub-layer) runs the experts of one group on
+the tokens routed to them: the routing is sorted by expert once, so each expert gathers its rows, runs
+one SwiGLU over them and adds its weighted output back with `index_add_`. `finish` adds the sum of all
+experts to the residual stream. Each block runs wherever its weights and the state are, so the executor
+can place the router and every group independently; `MoeState.to` moves the state between devices.
+
+Routing follows transformers exactly: softmax over all experts in float32, top k, renormalised to sum
+to 1 where `norm_topk_prob` (always for mixtral, whose top-k-then-softmax is the same function);
+qwen3_moe casts the weights to the model's dtype before use, mixtral applies them in float32. Experts
+run in ascending order and their outputs are summed into a zero tensor before the residual add, as in
+transformers, so every placement sums in the same order and gives the same result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.models.dense import rms_norm
+
+
+@dataclass(slots=True)
+class MoeState:
+    """A MoE layer between its router and its last expert group."""
+    x: torch.Tensor          # residual stream [n, hidden]
+    h: torch.Tensor          # normalised input of the experts [n, hidden]
+    out: torch.Tensor        # sum of the expert outputs so far [n, hidden]
+    rows: torch.Tensor       # token row of each (token, expert) pair, sorted by expert [n * k]
+    weights: torch.Tensor    # routing weight of each pair, in the same order [n * k]
+    bounds: list[int]        # pairs of expert e are rows[bounds[e]:bounds[e + 1]] (host list)
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    def to(self, device) -> MoeState:
+        return MoeState(self.x.to(device), self.h.to(device), self.out.to(device), self.rows.to(device),
+                        self.weights.to(device), self.bounds)
+
+
+def route(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k weights, top-k expert ids) [n, k] of router logits [n, E], as transformers computes them."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob or cfg.arch == "mixtral":
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    if cfg.arch != "mixtral":
+        top_w = top_w.to(logits.dtype)
+    return top_w, top_i
+
+
+def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, sync=None) -> MoeState:
+    """Norm, router and top-k of a MoE layer. `sync()`, when given, is called before the per-expert
+    counts are read back to the host (a non-spinning wait for the GPU)."""
+    h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
+    top_w, top_i = route(cfg, F.linear(h, w["router.weight"]))
+    flat = top_i.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=cfg.num_experts)
+    if sync is not None:
+        sync()
+    bounds = [0, *torch.cumsum(counts, 0).tolist()]
+    k = cfg.num_experts_per_tok
+    return MoeState(x, h, torch.zeros_like(h), order // k, top_w.reshape(-1)[order], bounds)
+
+
+def experts_block(cfg: ModelConfig, w: dict[str, torch.Tensor], s: MoeState, experts: range) -> MoeState:
+    """Add the weighted outputs of `experts` (the group whose stacked weights are `w`) for the tokens
+    routed to them into `s.out`."""
+    gate_up = w.get("experts.gate_up.weight")
+    down = w["experts.down.weight"]
+    for j, e in enumerate(experts):
+        a, b = s.bounds[e], s.bounds[e + 1]
+        if a == b:
+            continue
+        rows = s.rows[a:b]
+        hx = s.h[rows]
+        if gate_up is not None:
+            gate, up = F.linear(hx, gate_up[j]).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(hx, w["experts.gate.weight"][j]), F.linear(hx, w["experts.up.weight"][j])
+        y = F.linear(F.silu(gate) * up, down[j]) * s.weights[a:b, None]
+        s.out.index_add_(0, rows, y.to(s.out.dtype))
+    return s
+
+
+def finish(s: MoeState) -> torch.Tensor:
+    """The residual stream after the MoE layer."""
+    return s.x + s.out
