@@ -7,6 +7,7 @@ the same names), created at random and stored there on first use. The key itself
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import secrets
@@ -60,7 +61,10 @@ def bearer_token(header: str | None) -> str | None:
 
 
 def key_matches(given: str | None, expected: str) -> bool:
-    """Constant-time comparison (the time does not depend on where the strings differ)."""
+    """Constant-time comparison: the time depends neither on where the keys differ nor on the length of
+    the expected key (both sides are hashed to 32 bytes first)."""
     if given is None:
         return False
-    return hmac.compare_digest(given.encode("utf-8"), expected.encode("utf-8"))
+    a = hashlib.sha256(given.encode("utf-8", "surrogatepass")).digest()
+    b = hashlib.sha256(expected.encode("utf-8", "surrogatepass")).digest()
+    return hmac.compare_digest(a, b)
