@@ -164,9 +164,12 @@ def run_scenario(scenario, budgets, part, allowance: int, command: str, deadline
             row.update(measure(model, device, cfg.vocab_size))
             row["seconds"] = round(time.perf_counter() - t1, 1)
             if from_accel is not None:
-                from_accel[2](model, recurse=True)
+                from_accel[2](model, recurse=True)      # detaching restores offloaded weights from the map
                 model.to("cpu")
                 torch.cuda.empty_cache()
+                if any(p.device.type == "meta" for p in model.parameters()):
+                    say(f"accelerate {scenario.model}: weights left on meta after undispatching; rebuilding")
+                    model = build_model(cfg)
         peak = poll.peak(os.getpid()) if poll.available else None
         row.update(peak_vram_bytes=peak, fits=None if peak is None else peak <= b + allowance)
         part.add(row)

@@ -29,7 +29,7 @@ from engine.units import parse_bytes
 @dataclass
 class CorunConfig:
     cap: str = "24GiB"
-    phases: str = "6GiB:30,20GiB:30,6GiB:30"
+    phases: str = "6GiB:20,20GiB:25,6GiB:20"
     load_rate: str = "3GiB"
     chunk: str = "256MiB"
     reserve: str = "1GiB"
@@ -41,12 +41,15 @@ class CorunConfig:
     sim_context: str = "0"
     game_size: int = 8192
     startup_timeout_s: float = 240.0
+    overhead_initial: str = "1GiB"
+    overhead_step: str = "64MiB"
+    force_plan: str = "auto"
 
     @classmethod
     def dry(cls, sim_dir: str) -> CorunConfig:
         return cls(cap="16MiB", phases="3MiB:3,12MiB:3,3MiB:3", load_rate="8MiB", chunk="256KiB",
                    reserve="1MiB", hysteresis="512KiB", slack="128KiB", sim_dir=sim_dir, sim_context="256KiB",
-                   startup_timeout_s=120.0)
+                   startup_timeout_s=120.0, overhead_initial="512KiB", overhead_step="16KiB", force_plan="gpu_only")
 
 
 def _py(module: str, *args: str) -> list[str]:

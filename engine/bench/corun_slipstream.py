@@ -7,6 +7,11 @@ budget event goes to `engine.set_vram_budget` (from the monitor's thread; mid-ge
 next sub-layer boundary). The engine opens at the budget of the monitor's first sample, then runs a
 chat-like loop (a 64-token prompt, 128 new tokens, again) until the stop file appears.
 
+`--overhead none` passes the policy's budget as is (the app's wiring today). The engine's budget covers
+what it books (weights, KV, slots, scratch), while NVML also counts its CUDA context and the allocator's
+cache, which the policy's room formula does not subtract: `--overhead measured` passes the budget less
+that overhead (the median over 2 s of NVML own bytes - booked bytes; 1 GiB until measured).
+
 Log (JSON lines): budget events, a token record every 0.5 s {t, tokens (stamps in the window)}, a VRAM
 sample every 0.25 s {t, nvml_own, budget, engine_booked}, the engine's re-plans, errors (a CUDA
 out-of-memory included) and a summary. With `--sim-dir` it runs a tiny shape on the "sim" device against
@@ -66,19 +71,36 @@ def run(args) -> dict:
     t0 = time.time()
     eng = open_engine(scenario, budget0, "sim" if sim else "cuda", n_ctx=1024)
     log({"event": "opened", "t": time.time(), "seconds": time.time() - t0, "budget": budget0})
+    first_guess = parse_bytes(args.overhead_initial)
+    step = parse_bytes(args.overhead_step)
+    if args.force_plan != "auto":
+        eng.force_plan(args.force_plan)
+    if args.overhead == "measured":
+        eng.set_vram_budget(max(0, budget0 - first_guess))
     events: list[dict] = []
 
+    overhead = {"bytes": first_guess if args.overhead == "measured" else 0, "last_policy": budget0}
+
+    def apply(policy_budget: int) -> int:
+        b = max(0, policy_budget - overhead["bytes"])
+        eng.set_vram_budget(b)
+        return b
+
     def on_budget(ev) -> None:
-        b = 0 if ev.budget is None else ev.budget
-        rec = {"event": "budget", "t": time.time(), "budget": b, "previous": ev.previous, "reason": ev.reason}
+        p = 0 if ev.budget is None else ev.budget
+        overhead["last_policy"] = p
+        b = apply(p)
+        rec = {"event": "budget", "t": time.time(), "budget": b, "policy_budget": p, "previous": ev.previous,
+               "reason": ev.reason, "overhead": overhead["bytes"]}
         events.append(rec)
         log(rec)
-        eng.set_vram_budget(b)
 
     monitor.subscribe(on_budget)
     monitor.start()
     stop = threading.Event()
     stop_file = Path(args.stop_file) if args.stop_file else None
+
+    recent: list[int] = []
 
     def vram_sampler() -> None:
         me = os.getpid()
@@ -89,6 +111,15 @@ def run(args) -> dict:
                 sim.set_own(booked + parse_bytes(args.sim_context), "corun_slipstream")
             snap = monitor.latest()
             own = next((p.vram_bytes for p in (snap.processes if snap else ()) if p.pid == me), None)
+            if args.overhead == "measured" and own is not None and acc is not None:
+                recent.append(own - booked)
+                del recent[:-8]
+                seen = sorted(recent)[len(recent) // 2]          # median of 2 s: transients do not latch
+                if len(recent) >= 4 and abs(seen - overhead["bytes"]) > step:
+                    overhead["bytes"] = seen
+                    b = apply(overhead["last_policy"])
+                    log({"event": "budget", "t": time.time(), "budget": b, "policy_budget": overhead["last_policy"],
+                         "reason": "measured overhead", "overhead": seen})
             log({"t": time.time(), "nvml_own": own, "budget": eng.budget, "engine_booked": booked})
             stop.wait(0.25)
 
@@ -154,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-file", default=None)
     ap.add_argument("--stop-file", default=None)
     ap.add_argument("--max-s", type=float, default=0.0)
+    ap.add_argument("--overhead", choices=("none", "measured"), default="none",
+                    help="subtract the engine's measured non-budget VRAM from the policy's budget")
+    ap.add_argument("--overhead-initial", default="1GiB", help="the overhead assumed until measured")
+    ap.add_argument("--overhead-step", default="64MiB", help="re-apply when the measured overhead moves more")
+    ap.add_argument("--force-plan", default="auto", help="a plan kind for every tier (dry runs: gpu_only)")
     ap.add_argument("--sim-dir", default=None)
     ap.add_argument("--sim-context", default="0")
     args = ap.parse_args(argv)

@@ -27,18 +27,23 @@ def run_part(name: str, args, machine: dict, command: str) -> int:
 
         return merge([out] + ([Path(args.prior)] if args.prior else []),
                      Path(args.results_dir or args.out), dry_run=args.dry_run, say=say)
-    part = Partial(out, name, Path(args.prior) if args.prior else None, machine)
+    # build-llamacpp and gguf leave nothing in --out (the device tool brings back 8 files per call):
+    # their state lives in the work folder; the llamacpp part records the build and the GGUF facts.
+    internal = name in ("build-llamacpp", "gguf")
+    part = Partial(lb.work_dir() / "internal" if internal else out, name,
+                   None if internal or not args.prior else Path(args.prior), machine)
     part.meta.setdefault("commands", []).append(command)
     part.meta["dry_run"] = bool(args.dry_run)
     part.save()
     deadline = Deadline(args.deadline_epoch)
     try:
-        fn = {"build-llamacpp": part_build, "llamacpp": part_llamacpp, "slipstream": part_slipstream,
-              "accelerate": part_accelerate, "corun": part_corun}[name]
+        fn = {"build-llamacpp": part_build, "gguf": part_gguf, "llamacpp": part_llamacpp,
+              "slipstream": part_slipstream, "accelerate": part_accelerate, "corun": part_corun}[name]
         return fn(args, part, deadline, command)
     finally:
         part.save()
-        part.pack_logs()
+        if not internal:
+            part.pack_logs()
 
 
 # ---- llama.cpp ---------------------------------------------------------------------------------------
@@ -72,10 +77,23 @@ def part_build(args, part: Partial, deadline, command: str) -> int:
     if bins is None:
         part.meta["build_note"] = "no llama.cpp build (dry run or no source)"
         return 0 if args.dry_run else 1
-    if args.pack_bins:
+    if args.pack_bins and part.meta.get("build", {}).get("how") == "built":
         parts = lb.pack(bins, Path(args.out))
-        part.meta["packed"] = [{"file": p.name, "bytes": p.stat().st_size} for p in parts]
-        say("packed " + ", ".join(f"{p.name} ({p.stat().st_size / 2**20:.1f} MiB)" for p in parts))
+        total = sum(p.stat().st_size for p in parts)
+        if total > 45 << 20:                 # too big to carry back beside the rest: a later call rebuilds
+            for p in parts:
+                p.unlink()
+            say(f"packed build is {total / 2**20:.0f} MiB: not kept (a later call rebuilds)")
+        else:
+            say("packed " + ", ".join(f"{p.name} ({p.stat().st_size / 2**20:.1f} MiB)" for p in parts))
+    return 0
+
+
+def part_gguf(args, part: Partial, deadline, command: str) -> int:
+    """Write the scenarios' GGUFs (and the tiny one for the allowance) into the work folder."""
+    for scenario in pick(args.models, args.dry_run) + pick("tiny-llama", True):
+        if scenario.kind != "vl":
+            scenario_gguf(scenario, args)
     return 0
 
 
@@ -127,7 +145,8 @@ def part_llamacpp(args, part: Partial, deadline, command: str) -> int:
         return 0 if args.dry_run else 1
     threads = lr.default_threads()
     part.meta.update(threads=threads, bins=str(bins), prompts=list(lr.PROMPTS), decode_tokens=lr.DECODE_TOKENS)
-    tuned = [v for v in lp.TUNED if not args.tuned or v.name in args.tuned.split(",")]
+    names = args.tuned.split(",") if args.tuned else [v.name for v in lp.TUNED if v.default_on]
+    tuned = [v for v in lp.TUNED if v.name in names]
     for scenario in pick(args.models, args.dry_run):
         if scenario.kind == "vl":
             continue
@@ -143,11 +162,15 @@ def part_llamacpp(args, part: Partial, deadline, command: str) -> int:
         allowance = int(part.meta["allowance_llamacpp"])
         for bname, b in pick_budgets(args.budgets, args.dry_run):
             say(f"llama.cpp {scenario.model} at {bname}:")
-            lr.run_budget(runner, part, scenario.model, bname, b, allowance, tuned, not args.no_batched)
+            lr.run_budget(runner, part, scenario.model, bname, b, allowance, tuned)
             part.pack_logs()
-            if not deadline.allows(lr.EST_RUN_S):
-                say("deadline reached: the rest is left for a later call (--prior resumes it)")
-                return 0
+        if not args.no_batched:
+            for bname, b in pick_budgets(args.budgets, args.dry_run):
+                lr.run_batched(runner, part, scenario.model, bname, b, allowance, tuned)
+                part.pack_logs()
+        if not deadline.allows(lr.EST_RUN_S):
+            say("deadline reached: the rest is left for a later call (--prior resumes it)")
+            return 0
     return 0
 
 
@@ -238,8 +261,9 @@ def part_corun(args, part: Partial, deadline, command: str) -> int:
     cfg = cr.CorunConfig.dry(sim_dir) if args.dry_run else cr.CorunConfig(cap=args.cap, phases=args.phases)
     part.meta["config"] = vars(cfg)
     for system in args.corun_systems.split(","):
-        key_row = {"system": system, "model": scenario.model, "budget": "auto" if system == "slipstream" else
-                   "fixed", "scenario": "corun"}
+        slip = system.startswith("slipstream")
+        key_row = {"system": system, "model": scenario.model, "budget": "auto" if slip else "fixed",
+                   "scenario": "corun"}
         from engine.bench.partials import row_key
 
         if part.has(row_key(key_row)):
@@ -249,8 +273,11 @@ def part_corun(args, part: Partial, deadline, command: str) -> int:
             say(f"co-run {system}: {need:.0f} s needed, not enough left in this call")
             continue
         wdir = work / system
-        if system == "slipstream":
+        if slip:
             argv = cr._py("engine.bench.corun_slipstream", "--model", scenario.model, "--cap", cfg.cap,
+                          "--overhead", "measured" if system.endswith("+overhead") else "none",
+                          "--overhead-initial", cfg.overhead_initial, "--overhead-step", cfg.overhead_step,
+                          "--force-plan", cfg.force_plan,
                           "--reserve", cfg.reserve, "--interval", str(cfg.interval), "--hysteresis", cfg.hysteresis,
                           "--slack", cfg.slack, "--log", str(wdir / "model.jsonl"),
                           "--ready-file", str(wdir / "model.ready"), "--stop-file", str(wdir / "stop"))
@@ -278,7 +305,7 @@ def part_corun(args, part: Partial, deadline, command: str) -> int:
                     "--progress", "-t", str(os.cpu_count()), "-o", "jsonl"]
             env = lb.tool_env(bins)
         say(f"co-run {system} ({scenario.model}, cap {cfg.cap}, phases {cfg.phases})")
-        raw = cr.run_system(system, cfg, wdir, argv if system == "slipstream" else
+        raw = cr.run_system(system, cfg, wdir, argv if slip else
                             _with_ngl(argv, shape, cfg, extra, part), env, say=say)
         summary = cr.summarize(system, cfg, wdir, raw)
         summary.update(extra)

@@ -4,12 +4,13 @@ The work is split in parts that fit the device tool's 10-minute calls (`--part`,
 several, each runs in its own process, in order):
   build-llamacpp  build llama-bench + llama-batched-bench (CUDA, sm_90) from carry/llama.cpp-src.tar.xz,
                   or reuse a build in /tmp or carried packed parts; `--pack-bins` writes the parts to --out
+  gguf            write the random-weight GGUFs into the work folder (can run beside the build)
   llamacpp        llama.cpp-default and llama.cpp-tuned rows (writes the GGUF first if needed)
   slipstream      Slipstream rows (random weights on the GPU), with the plan it chose
   accelerate      transformers + accelerate device_map offload rows
   corun           the game stand-in beside Slipstream (auto mode) and beside llama.cpp (fixed -ngl)
   merge           part-*.json (from --out and --prior) -> results.json, results.md, PNG plots (+ bound rows)
-Each part writes `part-<name>.json` after every row and packs its raw logs to `<name>-logs.tar.xz` in
+Each part (but build-llamacpp and gguf) writes `part-<name>.json` after every row and packs its raw logs to `<name>-logs.tar.xz` in
 --out; rows already in `--prior` files are not run again. `SLIPSTREAM_BENCH_DEADLINE` (epoch seconds) or
 `--deadline-epoch` tells the parts when the device call ends: they stop starting work that would not
 finish. `--dry-run` runs tiny shapes on the CPU ("sim" device, a simulated card), skipping what needs a GPU.
@@ -28,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("build-llamacpp", "llamacpp", "slipstream", "accelerate", "corun", "merge")
+PARTS = ("build-llamacpp", "gguf", "llamacpp", "slipstream", "accelerate", "corun", "merge")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,12 +43,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--carry", default="carry", help="folder with llama.cpp-src.tar.xz and the gguf wheel")
     g.add_argument("--llamacpp-bin", default=None, help="an existing folder with llama-bench (skips the build)")
     g.add_argument("--pack-bins", action="store_true", help="build-llamacpp: write packed binaries to --out")
-    g.add_argument("--tuned", default=None, help="llama.cpp tuned variants (default: all of llamacpp_plan.TUNED)")
+    g.add_argument("--tuned", default=None,
+                   help="llama.cpp tuned variants, comma-separated (default: those of llamacpp_plan.TUNED "
+                        "marked default_on: nommap+ub2048+attn-gpu, nommap+ub2048, nommap+attn-gpu)")
     g.add_argument("--no-batched", action="store_true", help="skip llama-batched-bench")
     g.add_argument("--gguf-dtype", default="f16", choices=("f16", "bf16"))
-    g.add_argument("--corun-systems", default="slipstream,llama.cpp")
+    g.add_argument("--corun-systems", default="slipstream,slipstream+overhead,llama.cpp",
+                   help="slipstream: the app's wiring (monitor budget -> set_vram_budget); slipstream+overhead: "
+                        "the budget less the engine's measured non-budget VRAM (CUDA context, cache); llama.cpp")
     g.add_argument("--cap", default="24GiB", help="co-run: the card's size")
-    g.add_argument("--phases", default="6GiB:30,20GiB:30,6GiB:30", help="co-run: game working set:seconds")
+    g.add_argument("--phases", default="6GiB:20,20GiB:25,6GiB:20", help="co-run: game working set:seconds")
     g.add_argument("--results-dir", default=None, help="merge: where results.json/.md/PNGs go (default --out)")
 
 

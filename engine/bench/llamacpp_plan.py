@@ -29,6 +29,7 @@ class Variant:
     flags: tuple[str, ...]       # besides -m, -ngl, -p, -n, -t, -r, -o
     mode: str = "ngl"            # "ngl" | "attn"
     prior_c: float = 1.7e9       # predicted peak - offloaded bytes before any run (bytes)
+    default_on: bool = True      # run unless --tuned names the variants
 
     @property
     def key(self) -> str:
@@ -42,7 +43,7 @@ TUNED = (
     Variant("nommap+ub2048+attn-gpu", "llama.cpp-tuned", NO_MMAP + BIG_BATCH, "attn", 3.2e9),
     Variant("nommap+ub2048", "llama.cpp-tuned", NO_MMAP + BIG_BATCH, "ngl", 3.2e9),
     Variant("nommap+attn-gpu", "llama.cpp-tuned", NO_MMAP, "attn", 1.7e9),
-    Variant("nommap", "llama.cpp-tuned", NO_MMAP, "ngl", 1.7e9),
+    Variant("nommap", "llama.cpp-tuned", NO_MMAP, "ngl", 1.7e9, default_on=False),   # ~ the default
 )
 
 

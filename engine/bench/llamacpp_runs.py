@@ -4,8 +4,8 @@ For each scenario and budget: the default flags at the largest `-ngl` that fits,
 (see `llamacpp_plan.TUNED`) at its largest fitting configuration; the tuned row takes, per metric, the
 best variant that fits (each variant's figures are kept in the row). Every llama-bench run is one
 process (`-p 512,4096 -n 32 -r 1 -o jsonl`, llama-bench's own warm-up, all CPU threads) whose peak NVML
-bytes are polled every 50 ms. Batched decode (`llama-batched-bench`, 4 and 16 sequences) runs last,
-where the deadline allows, at the configuration that decoded fastest. Raw output of every process is kept.
+bytes are polled every 50 ms. Batched decode (`llama-batched-bench`, 4 and 16 sequences) runs after
+every budget's main rows, where the deadline allows (see `run_batched`). Raw output of every process is kept.
 """
 
 from __future__ import annotations
@@ -85,10 +85,10 @@ class LlamaCppRunner:
                  + (f" [{rec['error']}]" if rec.get("error") else ""))
         return rec
 
-    def batched(self, args: list[str], n_prompt: int, batches=BATCHES, n_gen: int = DECODE_TOKENS) -> dict:
+    def batched(self, args: list[str], n_prompt: int, n_ctx: int, batches=BATCHES,
+                n_gen: int = DECODE_TOKENS) -> dict:
         flags = list(args)               # llama-batched-bench takes the same -lm/-ub/-b/-ot/-ngl flags
-        n_ctx = max(batches) * (n_prompt + n_gen) + 256
-        argv = [str(self.bins / "llama-batched-bench"), "-m", str(self.gguf), *flags, "-fit", "off",
+        argv = [str(self.bins / "llama-batched-bench"), "-m", str(self.gguf), *flags, "-fit", "off", "-pps",
                 "-c", str(n_ctx), "-npp", str(n_prompt), "-ntg", str(n_gen),
                 "-npl", ",".join(str(b) for b in batches), "-t", str(self.threads), "--output-format", "jsonl"]
         self.n += 1
@@ -127,7 +127,7 @@ def row_from_run(system: str, model: str, budget: str, budget_b: int, run: dict 
 
 
 def run_budget(runner: LlamaCppRunner, part, model: str, budget: str, budget_b: int, allowance: int,
-               tuned: list[lp.Variant], batched: bool) -> None:
+               tuned: list[lp.Variant]) -> None:
     """The default row and the tuned row of one scenario at one budget (skipping what `part` has)."""
     limit = budget_b + allowance
     learned = part.state.setdefault("learned_c", {})
@@ -165,8 +165,6 @@ def run_budget(runner: LlamaCppRunner, part, model: str, budget: str, budget_b: 
     tuned_runs = [results[v.key] for v in tuned if v.key in results]
     if tuned_runs:
         part.add(tuned_row(model, budget, budget_b, allowance, tuned_runs))
-    if batched and default is not None:
-        run_batched(runner, part, model, budget, budget_b, allowance, [default, *tuned_runs])
 
 
 def tuned_row(model: str, budget: str, budget_b: int, allowance: int, runs: list[dict]) -> dict:
@@ -184,26 +182,46 @@ def tuned_row(model: str, budget: str, budget_b: int, allowance: int, runs: list
 
 
 def run_batched(runner: LlamaCppRunner, part, model: str, budget: str, budget_b: int, allowance: int,
-                runs: list[dict]) -> None:
-    key = f"{model}|batched|{budget}"
+                tuned: list[lp.Variant]) -> None:
+    """Batched decode (4 and 16 sequences sharing a 512-token prompt) for the default row and for the
+    tuned row (its best decode variant), each at the largest configuration predicted to fit with the
+    batch's larger KV cache (C learned from that variant's runs); the measured peak decides `fits`."""
     done = part.state.setdefault("variant_runs", {})
-    if key in done or not runner.deadline.allows(2 * EST_RUN_S):
-        return
-    best = _best(runs, f"tg{DECODE_TOKENS}")
-    if best is None:
-        return
-    rec = runner.batched(list(best["args"]), PROMPTS[0])
-    fits = rec["peak"] <= budget_b + allowance and not rec.get("error")
-    done[key] = {k: v for k, v in rec.items() if k != "records"}
-    for row in part.rows:
-        if row.get("model") == model and row.get("budget") == budget and row["system"].startswith("llama.cpp"):
-            for b in BATCHES:
-                row[f"decode_batch{b}_tps"] = rec.get(f"tg_b{b}") if fits else None
-            row["batched"] = {"variant": best["variant"], "peak": rec["peak"], "fits": fits,
-                              "command": rec["command"], "error": rec.get("error"),
-                              "note": "llama-batched-bench at the config that decoded fastest; its KV for "
-                                      f"{max(BATCHES)} sequences may not fit where one does"}
-    part.save()
+    learned = part.state.get("learned_c", {})
+    n_ctx = max(BATCHES) * (PROMPTS[0] + DECODE_TOKENS) + 256
+    for row in [r for r in part.rows if r.get("model") == model and r.get("budget") == budget
+                and r["system"] in ("llama.cpp-default", "llama.cpp-tuned") and r.get("fits")]:
+        key = f"{model}|batched|{row['system']}|{budget}"
+        if key in done:
+            continue
+        if not runner.deadline.allows(EST_RUN_S):
+            part.state.setdefault("pending", []).append(key)
+            return
+        name = "default" if row["system"] == "llama.cpp-default" else row.get("decode_variant")
+        variant = next((v for v in (lp.DEFAULT, *tuned) if v.name == name), None)
+        c = learned.get(f"{model}|{variant.key}") if variant else None
+        if variant is None or c is None:
+            continue
+        x = lp.largest_fitting(runner.shape, variant.mode, c, budget_b + allowance, n_ctx)
+        if x < 0:
+            done[key] = {"fits": False, "note": "the batch's KV cache leaves no configuration that fits"}
+            row["batched"] = done[key]
+            part.save()
+            continue
+        args = lp.variant_args(runner.shape, variant, x)
+        rec = runner.batched(args, PROMPTS[0], n_ctx)
+        fits = rec["peak"] <= budget_b + allowance and not rec.get("error")
+        done[key] = {k: v for k, v in rec.items() if k != "records"} | {"x": x, "fits": fits}
+        for b in BATCHES:
+            row[f"decode_batch{b}_tps"] = rec.get(f"tg_b{b}") if fits else None
+        row["batched"] = {"variant": variant.name, "x": x, "args": args, "peak": rec["peak"], "fits": fits,
+                          "command": rec["command"], "error": rec.get("error"),
+                          "note": "llama-batched-bench -pps (one shared 512-token prompt), 32 new tokens per "
+                                  "sequence; -ngl chosen for the batch's KV cache"}
+        runner.say(f"  batched {row['system']} x={x}: " + ", ".join(
+            f"b{b} {rec.get(f'tg_b{b}') or 0:.1f} t/s" for b in BATCHES) + f", peak {rec['peak'] / 2**30:.2f} GiB"
+            + ("" if fits else " (over budget)"))
+        part.add(row)
 
 
 def default_threads() -> int:
