@@ -2,7 +2,9 @@
 
 `score()` must match transformers' logits within 1e-3 relative (max abs diff / max abs ref) on the CPU
 and on the accelerator (sim in CI, cuda on the GPU machine) under every plan kind at a budget of about a
-third of the weights; greedy tokens must not change when the budget moves mid-generation.
+third of the weights; greedy tokens must not change when the budget moves mid-generation. The engines on
+the accelerator plan with `tests.engine.tiny_plans` (tiers up to 64, a slow CPU) so that their plans
+really put sub-layers on the GPU; the test checks that they do.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 
 import engine
+from tests.engine.tiny_plans import TIERS, slow_cpu_profile
 
 DEVICE = os.environ.get("SLIPSTREAM_TEST_DEVICE", "sim")
 VARIANTS = [
@@ -41,7 +44,19 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def third_of_weights(eng) -> int:
-    return eng.spec.total_weight_bytes // 3
+    """A third of the weights, plus the KV cache and the largest tier's scratch."""
+    from engine.sharding.memory import kv_cache_bytes, scratch_bytes
+
+    spec = eng.spec
+    return spec.total_weight_bytes // 3 + kv_cache_bytes(spec, eng.kv_tokens) + scratch_bytes(spec, TIERS[-1])
+
+
+def open_on_device(path):
+    return engine.open_model(path, device=DEVICE, backend="torch", tiers=TIERS, profile=slow_cpu_profile())
+
+
+def on_gpu(report) -> int:
+    return sum(p != "cpu" for t in report["tiers"] for p in t["placement"].values())
 
 
 @pytest.mark.parametrize("arch,options", VARIANTS, ids=lambda v: v if isinstance(v, str) else
@@ -52,7 +67,7 @@ def test_score_matches_transformers(tiny_model, arch, options):
     cpu = engine.open_model(path, device="cpu", backend="torch")
     assert rel_err(cpu.score(IDS), ref) < 1e-3
     cpu.close()
-    eng = engine.open_model(path, device=DEVICE, backend="torch")
+    eng = open_on_device(path)
     eng.set_vram_budget(third_of_weights(eng))
     for kind in ("gpu_only", "static", "dynamic", "auto"):
         eng.force_plan(kind)
@@ -61,6 +76,9 @@ def test_score_matches_transformers(tiny_model, arch, options):
         assert rel_err(got, ref) < 1e-3, kind
         report = eng.plan_report()
         assert all(t["vram"]["total"] <= report["budget"] for t in report["tiers"])
+        assert on_gpu(report) > 0, kind
+        if kind != "auto":
+            assert kind in {t["plan"] for t in report["tiers"]}
         assert eng.accel.peak <= max(r["budget"] for r in eng.replans)
     eng.close()
 
@@ -68,20 +86,23 @@ def test_score_matches_transformers(tiny_model, arch, options):
 @pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
 def test_greedy_survives_budget_changes(tiny_model, arch):
     path = tiny_model(arch)
-    eng = engine.open_model(path, device=DEVICE, backend="torch")
+    eng = open_on_device(path)
     full = eng.spec.total_weight_bytes
-    eng.set_vram_budget(full * 2)
+    base = third_of_weights(eng) - full // 3          # KV cache and scratch
+    eng.set_vram_budget(base + full * 2)
     want = [e.token_id for e in eng.generate("a b c d e", max_new_tokens=40)]
-    eng.set_vram_budget(full * 2)
-    budgets = [full // 3, 0, full // 8, full * 2, full // 2, full // 5]
-    got = []
+    eng.set_vram_budget(base + full * 2)
+    budgets = [base + full // 3, 0, base + full // 8, base + full * 2, base + full // 2, base + full // 5]
+    got, gpu_counts = [], set()
     for i, ev in enumerate(eng.generate("a b c d e", max_new_tokens=40)):
         got.append(ev.token_id)
+        gpu_counts.add(on_gpu(eng.plan_report()))
         if i % 6 == 3:
             # From another thread, as the app's budget slider or the monitor does.
             t = threading.Thread(target=eng.set_vram_budget, args=(budgets[(i // 6) % len(budgets)],))
             t.start()
             t.join()
+    assert len(gpu_counts) >= 3                        # the placement really moved
     assert got == want
     assert len(eng.replans) >= 4
     eng.close()

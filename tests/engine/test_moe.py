@@ -40,23 +40,8 @@ VARIANTS = [
     ("mixtral", {}),
 ]
 IDS = [(7 * i + 3) % 300 + 5 for i in range(90)]
-TIERS = (1, 4, 16, 64)
 
-
-def slow_cpu_profile():
-    from engine.sharding.profile import ProfileDatabase, sim_profile_dict
-
-    data = sim_profile_dict()
-    cpu = data["cpu"]
-    for classes in cpu["gemm"].values():
-        for rows in classes.values():
-            for row in rows:
-                row[1] /= 1000
-    for rates in cpu["attention"].values():
-        rates["gbps"] /= 1000
-        rates["gflops"] /= 1000
-    cpu["op_overhead_us"] *= 100
-    return ProfileDatabase(data)
+from tests.engine.tiny_plans import TIERS, slow_cpu_profile
 
 
 def open_tiny(path, group_size: int = 0, **kwargs):

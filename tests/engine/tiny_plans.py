@@ -1,0 +1,26 @@
+"""Planning settings that make tiny test models place work on the (simulated) GPU.
+
+A tiny model's weights are smaller than its KV cache and a large tier's scratch, and on the default "sim"
+profile its CPU is fast enough that every plan stays on the CPU. Tests that must exercise GPU placements
+plan with tiers up to 64 tokens and a profile whose CPU is 1000x slower.
+"""
+
+from __future__ import annotations
+
+TIERS = (1, 4, 16, 64)
+
+
+def slow_cpu_profile():
+    from engine.sharding.profile import ProfileDatabase, sim_profile_dict
+
+    data = sim_profile_dict()
+    cpu = data["cpu"]
+    for classes in cpu["gemm"].values():
+        for rows in classes.values():
+            for row in rows:
+                row[1] /= 1000
+    for rates in cpu["attention"].values():
+        rates["gbps"] /= 1000
+        rates["gflops"] /= 1000
+    cpu["op_overhead_us"] *= 100
+    return ProfileDatabase(data)
