@@ -107,9 +107,9 @@ class ProgressClock:
                     self.first.set()
 
 
-def run_system(system: str, cfg: CorunConfig, work: Path, model_argv: list[str], env=None,
-               say=print) -> dict:
-    """One co-run: the game stand-in beside the model started by `model_argv`; raw logs in `work`."""
+def run_system(system: str, cfg: CorunConfig, work: Path, make_argv, env=None, say=print) -> dict:
+    """One co-run: the game stand-in beside the model started by `make_argv()` (called once the game
+    holds its first working set, so a fixed configuration can be chosen from what is free then)."""
     work.mkdir(parents=True, exist_ok=True)
     for f in ("go", "game.ready", "model.ready", "stop"):
         (work / f).unlink(missing_ok=True)
@@ -120,13 +120,16 @@ def run_system(system: str, cfg: CorunConfig, work: Path, model_argv: list[str],
         nvml = SimCard(cfg.sim_dir, total=parse_bytes(cfg.cap))
     game = start_game(cfg, work)
     model = None
-    result: dict = {"system": system, "command": " ".join(model_argv)}
+    result: dict = {"system": system}
+    model_argv: list[str] = []
     pids = [game.pid]
     with VramPoller(lambda: pids, 0.1, nvml=nvml) as poll:
         try:
             if not _wait_for(work / "game.ready", game, cfg.startup_timeout_s):
                 result["error"] = "the game stand-in did not start: " + (work / "game.out").read_text()[-500:]
                 return result
+            model_argv = make_argv()
+            result["command"] = " ".join(model_argv)
             t_model = time.time()
             with open(work / "model.out", "w") as out:
                 model = subprocess.Popen(model_argv, stdout=out, stderr=subprocess.PIPE, text=True, env=env)

@@ -56,6 +56,10 @@ def run(args) -> dict:
     from engine.bench.slipstream_runs import open_engine
 
     log = Log(args.log)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     sim = None
     if args.sim_dir:
         from engine.bench.simcard import SimCard
@@ -185,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ready-file", default=None)
     ap.add_argument("--stop-file", default=None)
     ap.add_argument("--max-s", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--overhead", choices=("none", "measured"), default="none",
                     help="subtract the engine's measured non-budget VRAM from the policy's budget")
     ap.add_argument("--overhead-initial", default="1GiB", help="the overhead assumed until measured")

@@ -252,14 +252,14 @@ def part_corun(args, part: Partial, deadline, command: str) -> int:
     from engine.bench import corun as cr
     from engine.bench import llamacpp_plan as lp
     from engine.bench.gguf_shapes import gguf_shape
-    from engine.bench.vram_poll import VramPoller
-    from engine.units import parse_bytes
 
     scenario = pick(args.models, args.dry_run)[0]
     work = lb.work_dir() / "corun"
     sim_dir = str(work / "simcard") if args.dry_run else None
     cfg = cr.CorunConfig.dry(sim_dir) if args.dry_run else cr.CorunConfig(cap=args.cap, phases=args.phases)
     part.meta["config"] = vars(cfg)
+    threads = max(1, (os.cpu_count() or 2) - 1)         # one core left for the game's own thread
+    part.meta["threads"] = threads
     for system in args.corun_systems.split(","):
         slip = system.startswith("slipstream")
         key_row = {"system": system, "model": scenario.model, "budget": "auto" if slip else "fixed",
@@ -275,6 +275,7 @@ def part_corun(args, part: Partial, deadline, command: str) -> int:
         wdir = work / system
         if slip:
             argv = cr._py("engine.bench.corun_slipstream", "--model", scenario.model, "--cap", cfg.cap,
+                          "--threads", str(threads),
                           "--overhead", "measured" if system.endswith("+overhead") else "none",
                           "--overhead-initial", cfg.overhead_initial, "--overhead-step", cfg.overhead_step,
                           "--force-plan", cfg.force_plan,
@@ -291,22 +292,15 @@ def part_corun(args, part: Partial, deadline, command: str) -> int:
                 continue
             gguf, _ = scenario_gguf(scenario, args)
             shape = gguf_shape(scenario.gguf_shape, scenario.layers)
-            # the fixed -ngl a user would pick at start: what is free under the cap now, less the reserve
-            if sim_dir:
-                from engine.bench.simcard import SimCard
-
-                card = SimCard(sim_dir, total=parse_bytes(cfg.cap))
-                used = card.nvmlDeviceGetMemoryInfo(0).used
-            else:
-                used = VramPoller().device_used()
             c = learned_c_default(args, scenario.model) or lp.DEFAULT.prior_c
-            extra = {"c_bytes": c, "device_used_at_start": used}
+            extra = {"c_bytes": c}
             argv = [str(bins / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", "64", "-r", "100000",
-                    "--progress", "-t", str(os.cpu_count()), "-o", "jsonl"]
+                    "--progress", "-t", str(threads), "-o", "jsonl"]
             env = lb.tool_env(bins)
         say(f"co-run {system} ({scenario.model}, cap {cfg.cap}, phases {cfg.phases})")
-        raw = cr.run_system(system, cfg, wdir, argv if slip else
-                            _with_ngl(argv, shape, cfg, extra, part), env, say=say)
+        make = (lambda a=argv: a) if slip else \
+            (lambda a=argv, s=shape, e=extra: _with_ngl(a, s, cfg, e, _card_used(cfg)))
+        raw = cr.run_system(system, cfg, wdir, make, env, say=say)
         summary = cr.summarize(system, cfg, wdir, raw)
         summary.update(extra)
         _copy_logs(wdir, part.log_dir / system)
@@ -319,12 +313,25 @@ def part_corun(args, part: Partial, deadline, command: str) -> int:
     return 0
 
 
-def _with_ngl(argv: list[str], shape, cfg, extra: dict, part: Partial) -> list[str]:
-    """Insert the -ngl chosen at start (largest predicted to fit the free room under the cap)."""
+def _card_used(cfg) -> int:
+    """The device's used bytes now (the simulated card's in a dry run)."""
+    from engine.bench.vram_poll import VramPoller
+
+    if cfg.sim_dir:
+        from engine.bench.simcard import SimCard
+
+        return SimCard(cfg.sim_dir).nvmlDeviceGetMemoryInfo(0).used
+    return VramPoller().device_used()
+
+
+def _with_ngl(argv: list[str], shape, cfg, extra: dict, used: int) -> list[str]:
+    """Insert the -ngl chosen at start: the largest predicted to fit what is free under the cap once
+    the game holds its first working set, less the same reserve Slipstream's policy keeps."""
     from engine.bench import llamacpp_plan as lp
     from engine.units import parse_bytes
 
-    free = parse_bytes(cfg.cap) - extra["device_used_at_start"] - parse_bytes(cfg.reserve)
+    extra["device_used_at_start"] = used
+    free = parse_bytes(cfg.cap) - used - parse_bytes(cfg.reserve)
     x = max(0, lp.largest_fitting(shape, "ngl", extra["c_bytes"], free, n_ctx=64))
     extra.update(ngl=x, free_at_start=free)
     say(f"  llama.cpp co-run: {free / 2**30:.1f} GiB free under the cap at start -> -ngl {x}")

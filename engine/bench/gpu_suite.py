@@ -20,7 +20,6 @@ See docs/benchmarks/HOWTO_GPU.md for the device calls.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shlex
@@ -87,8 +86,9 @@ def machine_info() -> dict:
 
 
 def command_line() -> str:
-    return "python -m engine bench " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \
-        if sys.argv and sys.argv[0].endswith("__main__.py") else " ".join(shlex.quote(a) for a in sys.argv)
+    """The command that runs this part again (as `python -m engine bench --gpu ...`)."""
+    args = [a for a in sys.argv[1:] if a not in ("bench", "--gpu")]
+    return "python -m engine bench --gpu " + " ".join(shlex.quote(a) for a in args)
 
 
 def _use_gguf_wheel(carry: Path) -> None:
@@ -114,14 +114,8 @@ def run(args: argparse.Namespace) -> int:
     if len(parts) > 1:                        # each part in its own process: no CUDA context carries over
         code = 0
         for p in parts:
-            argv = [a for a in sys.argv[1:]]
-            i = argv.index("--part") if "--part" in argv else None
-            if i is not None:
-                argv[i + 1] = p
-            else:
-                argv = [a if not a.startswith("--part=") else f"--part={p}" for a in argv]
             print(f"=== part {p} ===", flush=True)
-            rc = subprocess.call([sys.executable, "-m", "engine", *argv])
+            rc = subprocess.call([sys.executable, "-m", "engine.bench.gpu_suite", *child_argv(sys.argv[1:], p)])
             code = code or rc
         return code
     from engine.bench import gpu_parts
@@ -133,5 +127,31 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
-def dump(obj) -> str:
-    return json.dumps(obj, indent=1, default=str)
+def child_argv(argv: list[str], part: str) -> list[str]:
+    """This command's arguments for one part (without `bench --gpu`, with `--part PART`)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("bench", "--gpu") or a.startswith("--part="):
+            continue
+        if a == "--part":
+            skip = True
+            continue
+        out.append(a)
+    return ["--part", part, *out]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine.bench.gpu_suite --part ...`: the same as `python -m engine bench --gpu --part ...`."""
+    from engine.commands.bench import add_common_arguments
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_arguments(parser)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
