@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,12 @@ SIM_DEFAULT_BUDGET = 1 << 40     # "sim" without a budget: a notional GPU with r
 INITIAL_KV_TOKENS = 2048
 SPEC_TOKENS = 6           # most tokens an n-gram proposal adds to a step
 SPEC_MAX_COST = 1.3       # speculate when a step of SPEC_TOKENS + 1 tokens is predicted under 1.3x one
+
+
+def _is_vl_folder(path) -> bool:
+    from engine.loading.hf_vision import is_vl_folder
+
+    return Path(path).is_dir() and is_vl_folder(Path(path))
 
 
 def resolve_device(device: str) -> str:
@@ -58,7 +65,18 @@ class TorchEngine(Engine):
         self.device = resolve_device(device)
         report = progress or (lambda fraction, message: None)
         report(0.05, "reading the model")
-        loaded = path if isinstance(path, LoadedModel) else load_model(path)
+        self.vision = self.vision_weights = None
+        self._vision_prompts: dict[int, object] = {}
+        if isinstance(path, LoadedModel):
+            loaded = path
+        elif _is_vl_folder(path):
+            from engine.loading.hf_vision import load_hf_vl
+
+            vl = load_hf_vl(Path(path))
+            loaded = LoadedModel(vl.config, vl.weights, vl.tokenizer, vl.source, "hf", vl.config.dtype)
+            self.vision, self.vision_weights = vl.vision, vl.vision_weights
+        else:
+            loaded = load_model(path)
         self.source = str(loaded.source)
         self.file_type = loaded.file_type
         self.config = cfg = loaded.config
@@ -77,6 +95,11 @@ class TorchEngine(Engine):
             self.accel = Accelerator("sim" if self.device == "sim" else "cuda", index)
         report(0.6, "packing weights into host memory")
         self.executor = Executor(cfg, loaded.weights, self.accel, self.dtype)
+        if self.vision is not None:
+            from engine.models.vision import MRotaryTable
+
+            self.executor.rope = MRotaryTable(cfg.head_dim, cfg.rope_theta, self.vision.mrope_section)
+            self.supports_images = True
         del loaded
         report(0.85, "planning placement for the VRAM budget")
         self.tiers = tuple(sorted(tiers))
@@ -203,7 +226,7 @@ class TorchEngine(Engine):
         return s
 
     # ---- running steps -------------------------------------------------------------------------
-    def _step(self, seq: Sequence, ids: list[int], all_logits: bool) -> torch.Tensor:
+    def _step(self, seq: Sequence, ids: list[int], all_logits: bool, **inputs) -> torch.Tensor:
         """One forward step under the plan of its tier, re-planning on out-of-memory and retrying."""
         for attempt in range(8):
             self._apply_pending_budget()
@@ -213,7 +236,7 @@ class TorchEngine(Engine):
             try:
                 if plan is not self.executor.plan:
                     self.executor.activate(plan)
-                return self.executor.forward(seq, ids, all_logits)
+                return self.executor.forward(seq, ids, all_logits, **inputs)
             except (torch.OutOfMemoryError, OutOfBudgetError) as exc:
                 self.executor.kv.truncate(seq, length)
                 if self.accel is None or self.budget == 0:
@@ -222,23 +245,59 @@ class TorchEngine(Engine):
                 self._set_budget_now(smaller, f"out of memory ({exc.__class__.__name__}); retrying")
         raise BudgetError("could not run a step within any budget")
 
-    def _run(self, seq: Sequence, ids: list[int], all_logits: bool) -> torch.Tensor:
-        """Feed `ids` in chunks of the planner's best step size (the tier with the best time per token)."""
+    def _run(self, seq: Sequence, ids: list[int], all_logits: bool, positions: torch.Tensor | None = None,
+             image_mask: torch.Tensor | None = None, image_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed `ids` in chunks of the planner's best step size (the tier with the best time per token);
+        explicit rotary positions and image embedding rows are cut to each chunk."""
         chunk = self.planset.step_tokens or self.tiers[-1]
-        outs = []
+        outs, row = [], 0
         for i in range(0, len(ids), chunk):
-            outs.append(self._step(seq, ids[i:i + chunk], all_logits))
+            inputs = {}
+            if positions is not None:
+                inputs["positions"] = positions[..., i:i + chunk]
+            if image_mask is not None:
+                mask = image_mask[i:i + chunk]
+                k = int(mask.sum())
+                if k:
+                    inputs["embeds"] = (mask, image_rows[row:row + k])
+                row += k
+            outs.append(self._step(seq, ids[i:i + chunk], all_logits, **inputs))
         return torch.cat(outs) if all_logits else outs[-1]
+
+    # ---- images (vision-language models) -------------------------------------------------------
+    def encode_prompt(self, prompt_or_messages, images=None) -> list[int]:
+        if not images or self.vision is None:
+            return super().encode_prompt(prompt_or_messages, images)
+        from engine.models.vision import prepare_vision_prompt
+
+        # The vision pass runs to completion (its weights streamed block by block, its VRAM freed)
+        # before the language model starts, under the engine's lock: never beside another generation.
+        device = self.accel.device if self.accel is not None and self.accel.kind == "cuda" else None
+        with self._lock:
+            vp = prepare_vision_prompt(self.vision_weights, self.vision, self.tokenizer, prompt_or_messages,
+                                       images, device, dtype=self.dtype)
+            if self.accel is not None:
+                self.executor.release_to_driver()
+        ids = list(vp.ids)
+        while len(self._vision_prompts) >= 4:      # prompts refused after encoding (context) are dropped
+            self._vision_prompts.pop(next(iter(self._vision_prompts)))
+        self._vision_prompts[id(ids)] = vp
+        return ids
 
     @torch.inference_mode()
     def _token_stream(self, ids: list[int], params: SamplingParams, cancel: CancelToken,
                       images) -> Iterator[int]:
-        seq = Sequence()
+        vp = self._vision_prompts.pop(id(ids), None)
+        seq = Sequence() if vp is None else Sequence(rope_delta=vp.delta, cacheable=False)
         try:
-            # Blocks this prompt shares with an earlier one (the conversation so far) are reused.
-            common = self.executor.kv.match_prefix(seq, ids)
             sampler = Sampler(params)
-            logits = self._run(seq, ids[common:], False)[-1]
+            if vp is None:
+                # Blocks this prompt shares with an earlier one (the conversation so far) are reused.
+                common = self.executor.kv.match_prefix(seq, ids)
+                logits = self._run(seq, ids[common:], False)[-1]
+            else:
+                logits = self._run(seq, ids, False, positions=vp.positions, image_mask=vp.image_mask,
+                                   image_rows=vp.embeddings)[-1]
             if params.temperature == 0 and self._speculation_pays():
                 yield from self._speculative_stream(seq, ids, int(torch.argmax(logits)), cancel)
                 return

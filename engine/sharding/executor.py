@@ -153,12 +153,18 @@ class Executor:
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, seq: Sequence, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+    def forward(self, seq: Sequence, ids: list[int], all_logits: bool = False,
+                positions: torch.Tensor | None = None, embeds=None) -> torch.Tensor:
         """Run `ids` (new tokens of `seq`) through the model; return float32 CPU logits for the last
-        token, or for every new token with `all_logits`. The KV cache grows by len(ids) tokens."""
+        token, or for every new token with `all_logits`. The KV cache grows by len(ids) tokens.
+
+        positions: rotary positions ([n], or [3, n] for M-RoPE); default cache index + seq.rope_delta.
+        embeds: (bool mask [n], rows [k, hidden]) replacing the embeddings of the masked tokens (images).
+        """
         cfg, n, start = self.cfg, len(ids), seq.length
         self.kv.reserve(seq, n)
-        positions = torch.arange(start, start + n)
+        if positions is None:
+            positions = torch.arange(start, start + n) + seq.rope_delta
         gpu = self.accel.device if self.accel is not None else None
         cos_sin = {torch.device("cpu"): self.rope.cos_sin(positions, torch.device("cpu"), self.dtype)}
         masks = {torch.device("cpu"): dense.attention_mask(n, start, cfg.sliding_window, "cpu")}
@@ -182,6 +188,9 @@ class Executor:
             dev = x.device
             if name == "embed":
                 x = dense.embed_tokens(w, x)
+                if embeds is not None:
+                    mask, rows = embeds
+                    x[mask.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
             elif name == "head":
                 x = self._head(w, x if all_logits else x[-1:])
             elif name.endswith(".attn"):

@@ -31,6 +31,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     length: int = 0                 # tokens whose K/V are stored
     token_ids: list[int] = field(default_factory=list)
+    rope_delta: int = 0             # rotary position = cache index + delta (M-RoPE after images)
+    cacheable: bool = True          # False where token ids do not determine the KV (image embeddings)
 
 
 def block_hashes(token_ids: list[int]) -> list[int]:
@@ -169,7 +171,7 @@ class PagedKVCache:
         cached for a later sequence that starts the same way)."""
         length = min(length, seq.length)
         keep = -(-length // BLOCK_SIZE)
-        hashes = block_hashes(seq.token_ids[:seq.length])
+        hashes = block_hashes(seq.token_ids[:seq.length]) if seq.cacheable else []
         for i in range(len(seq.block_table) - 1, keep - 1, -1):
             self._drop(seq.block_table[i], hashes[i] if i < len(hashes) else None)
         del seq.block_table[keep:]
