@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -89,8 +90,12 @@ def read_jsonl(path: Path) -> list[dict]:
     return out
 
 
+_REP = re.compile(r"(?<!warmup )generation run \d+/")
+
+
 class ProgressClock:
-    """Stamps llama-bench's `--progress` lines ("... generation run i/N") as they arrive on stderr."""
+    """Stamps llama-bench's `--progress` lines ("... generation run i/N", printed as repetition i starts;
+    the warm-up's line excluded) as they arrive on stderr."""
 
     def __init__(self, stream, log_path: Path):
         self.stamps: list[float] = []
@@ -102,7 +107,7 @@ class ProgressClock:
         with open(log_path, "w") as log:
             for line in iter(stream.readline, ""):
                 log.write(f"{time.time():.3f} {line}")
-                if "generation run" in line:
+                if _REP.search(line):
                     self.stamps.append(time.time())
                     self.first.set()
 

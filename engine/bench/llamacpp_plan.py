@@ -107,6 +107,7 @@ class SearchResult:
     runs: dict[int, dict] = field(default_factory=dict)   # x -> {"peak": bytes, ...the run's record}
     learned_c: float | None = None
     note: str = ""
+    aborted: bool = False                           # a run was cut short (time limit): try again later
 
     @property
     def best(self) -> dict | None:
@@ -125,6 +126,10 @@ def search_fit(shape: GgufShape, mode: str, limit: float, measure: Callable[[int
     for _ in range(max_runs):
         rec = measure(x)
         res.runs[x] = rec
+        if rec.get("abort"):
+            res.aborted = True
+            res.runs.pop(x)
+            break
         if rec.get("error") and not rec.get("peak"):
             res.note = f"x={x}: {rec['error']}"
             break

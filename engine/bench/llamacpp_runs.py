@@ -34,6 +34,7 @@ def run_process(argv: list[str], log_dir: Path, name: str, timeout_s: float, env
     log_dir.mkdir(parents=True, exist_ok=True)
     out_p, err_p = log_dir / f"{name}.out", log_dir / f"{name}.err"
     t0 = time.perf_counter()
+    timed_out = False
     with open(out_p, "w") as out, open(err_p, "w") as err:
         proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env)
         with VramPoller([proc.pid], poll_s) as poll:
@@ -44,12 +45,15 @@ def run_process(argv: list[str], log_dir: Path, name: str, timeout_s: float, env
                 proc.kill()
                 rc = proc.wait()
                 error = f"timed out after {timeout_s:.0f} s"
+                timed_out = True
     secs = time.perf_counter() - t0
     (log_dir / f"{name}.vram.json").write_text(json.dumps(poll.timeline(t0, every=2)))
     rec = {"rc": rc, "seconds": round(secs, 2), "peak": poll.peak(proc.pid),
            "stdout": out_p.read_text(errors="replace"), "stderr": err_p.read_text(errors="replace")}
     if error:
         rec["error"] = error + ": " + " | ".join(rec["stderr"].strip().splitlines()[-3:])
+    if timed_out:
+        rec["abort"] = True          # cut by the time limit: no figure, and not a sign that it does not fit
     return rec
 
 
@@ -145,6 +149,11 @@ def run_budget(runner: LlamaCppRunner, part, model: str, budget: str, budget_b: 
             return
         c_prior = learned.get(f"{model}|{variant.key}", variant.prior_c)
         res = lp.search_fit(runner.shape, variant.mode, limit, lambda x, v=variant: runner.bench(v, x), c_prior)
+        if res.aborted:
+            runner.say(f"  {variant.key} at {budget}: cut by the time limit; left for a later call")
+            part.state.setdefault("pending", []).append(key)
+            part.save()
+            return
         if res.learned_c is not None:
             learned[f"{model}|{variant.key}"] = res.learned_c
         best = res.best

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from engine.bench.corun import CorunConfig, summarize
+from engine.bench.corun import _REP, CorunConfig, summarize
 from engine.bench.game_standin import parse_phases
 from engine.bench.simcard import SimCard
 from monitor import BudgetPolicy, Monitor
@@ -50,3 +50,9 @@ def test_summarize_splits_the_timeline_by_phase(tmp_path):
     assert p1["game_fps"] == 40.0 and p1["model_tps"] == 4.0
     assert s["timeline"]["oom_events"] == [[4.5, "simulated (card cap)"]]
     assert s["timeline"]["budget_events"][0][1] == 8 * MiB
+
+
+def test_llama_bench_progress_lines_count_repetitions_not_the_warm_up():
+    assert _REP.search("llama-bench: benchmark 1/1: generation run 7/100000")
+    assert not _REP.search("llama-bench: benchmark 1/1: warmup generation run")
+    assert not _REP.search("llama-bench: benchmark 1/1: prompt run 1/1")

@@ -113,3 +113,14 @@ def test_the_stripped_source_keeps_what_the_build_needs():
     assert not keep_member("ggml/src/ggml-vulkan/ggml-vulkan.cpp") and not keep_member("tools/server/server.cpp")
     assert not keep_member("docs/build.md") and not keep_member("models/ggml-vocab-gpt-2.gguf")
     assert not keep_member("ggml/README.md")
+
+
+def test_search_stops_without_a_verdict_when_a_run_is_cut_by_the_time_limit():
+    calls: list[int] = []
+
+    def measure(x: int) -> dict:
+        calls.append(x)
+        return {"peak": 3 * GB, "error": "timed out after 40 s", "abort": True}
+
+    res = lp.search_fit(LLAMA, "ngl", 9 * GB, measure, c_prior=1.6 * GB)
+    assert res.aborted and res.x is None and len(calls) == 1 and not res.runs
