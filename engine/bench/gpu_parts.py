@@ -150,6 +150,9 @@ def part_llamacpp(args, part: Partial, deadline, command: str) -> int:
     for scenario in pick(args.models, args.dry_run):
         if scenario.kind == "vl":
             continue
+        if not deadline.allows(lr.EST_RUN_S + 60):
+            say(f"deadline: llama.cpp {scenario.model} left for a later call")
+            break
         gguf, facts = scenario_gguf(scenario, args)
         part.meta.setdefault("gguf", {})[scenario.model] = facts
         shape = gguf_shape(scenario.gguf_shape, scenario.layers)

@@ -145,15 +145,13 @@ def run_budget(runner: LlamaCppRunner, part, model: str, budget: str, budget_b: 
         if not runner.deadline.allows(EST_RUN_S):
             runner.say(f"  deadline: {variant.key} at {budget} left for a later call")
             part.state.setdefault("pending", []).append(key)
-            part.save()
-            return
+            break
         c_prior = learned.get(f"{model}|{variant.key}", variant.prior_c)
         res = lp.search_fit(runner.shape, variant.mode, limit, lambda x, v=variant: runner.bench(v, x), c_prior)
         if res.aborted:
             runner.say(f"  {variant.key} at {budget}: cut by the time limit; left for a later call")
             part.state.setdefault("pending", []).append(key)
-            part.save()
-            return
+            break
         if res.learned_c is not None:
             learned[f"{model}|{variant.key}"] = res.learned_c
         best = res.best
@@ -172,8 +170,9 @@ def run_budget(runner: LlamaCppRunner, part, model: str, budget: str, budget_b: 
                               default if default.get("fits") else None, allowance,
                               note="defaults (-t all threads), the largest -ngl that fits"))
     tuned_runs = [results[v.key] for v in tuned if v.key in results]
-    if tuned_runs:
+    if tuned_runs:                    # possibly of fewer variants than asked: the row's note lists them
         part.add(tuned_row(model, budget, budget_b, allowance, tuned_runs))
+    part.save()
 
 
 def tuned_row(model: str, budget: str, budget_b: int, allowance: int, runs: list[dict]) -> dict:
