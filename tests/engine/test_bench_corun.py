@@ -56,3 +56,26 @@ def test_llama_bench_progress_lines_count_repetitions_not_the_warm_up():
     assert _REP.search("llama-bench: benchmark 1/1: generation run 7/100000")
     assert not _REP.search("llama-bench: benchmark 1/1: warmup generation run")
     assert not _REP.search("llama-bench: benchmark 1/1: prompt run 1/1")
+
+
+def test_the_stand_in_counts_out_of_memory_against_the_cap_when_another_process_holds_the_card(tmp_path):
+    from engine.bench import game_standin
+
+    card = SimCard(tmp_path / "card", total=8 * MiB)
+    (tmp_path / "card" / str(os.getppid())).write_text(f"{6 * MiB} model")   # a live process holding 6 MiB
+    log = tmp_path / "game.jsonl"
+    summary = game_standin.run(_stand_in_args(tmp_path, log))
+    assert summary["ooms"] > 0 and summary["oom_stall_s"] > 0
+    assert summary["final_working_set"] <= 2 * MiB            # it never went past the cap
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert any(e.get("event") == "oom" and e["kind"] == "simulated (card cap)" for e in events)
+    assert card.nvmlDeviceGetMemoryInfo(0).used == 6 * MiB        # the stand-in let go of its own
+
+
+def _stand_in_args(tmp_path, log):
+    import argparse
+
+    return argparse.Namespace(cap="8MiB", phases="1MiB:0.3,4MiB:0.6", load_rate_bytes=64 * MiB, chunk="256KiB",
+                              fps=100.0, matmuls=0, size=8, touch="0", log=str(log), ready_file=None,
+                              go_file=None, max_wait_s=1.0, sim_dir=str(tmp_path / "card"), sim_frame_ms=1.0,
+                              sim_context="0")
