@@ -87,6 +87,10 @@ def ensure_built(src_tar: Path, *, cuda: bool = True, jobs: int | None = None, p
         say(f"llama.cpp: unpacked a carried build from {packed}")
         stamp_file.write_text(stamp)
         return {"bin_dir": str(bins), "how": "carried build", "seconds": 0.0, "stamp": stamp}
+    failed = work_dir() / "llama.cpp-build-failed"
+    if failed.is_file() and failed.read_text().startswith(stamp):
+        raise RuntimeError("llama.cpp: this source already failed to build in this lease (not retrying):\n"
+                           + failed.read_text())
     t0 = time.perf_counter()
     if root.exists():
         shutil.rmtree(root)
@@ -105,8 +109,9 @@ def ensure_built(src_tar: Path, *, cuda: bool = True, jobs: int | None = None, p
             r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False)
         if r.returncode != 0:
             tail = log.read_text(errors="replace").splitlines()[-30:]
-            raise RuntimeError(f"llama.cpp build step failed ({cmd[0]}, exit {r.returncode}); log {log}:\n"
-                               + "\n".join(tail))
+            msg = f"llama.cpp build step failed ({cmd[0]}, exit {r.returncode}); log {log}:\n" + "\n".join(tail)
+            failed.write_text(f"{stamp}\n{msg}")
+            raise RuntimeError(msg)
     if not tools_ok(bins):
         raise RuntimeError(f"llama.cpp build finished but {', '.join(TARGETS)} do not start from {bins}")
     stamp_file.write_text(stamp)
