@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import engine
-from tests.engine.tiny_plans import TIERS, slow_cpu_profile
+from tests.engine.tiny_plans import TIERS, slow_cpu_profile, third_of_weights
 
 DEVICE = os.environ.get("SLIPSTREAM_TEST_DEVICE", "sim")
 VARIANTS = [
@@ -41,14 +41,6 @@ def reference(path) -> torch.Tensor:
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref).abs().max() / ref.abs().max()).item()
-
-
-def third_of_weights(eng) -> int:
-    """A third of the weights, plus the KV cache and the largest tier's scratch."""
-    from engine.sharding.memory import kv_cache_bytes, scratch_bytes
-
-    spec = eng.spec
-    return spec.total_weight_bytes // 3 + kv_cache_bytes(spec, eng.kv_tokens) + scratch_bytes(spec, TIERS[-1])
 
 
 def open_on_device(path):

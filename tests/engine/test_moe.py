@@ -41,7 +41,7 @@ VARIANTS = [
 ]
 IDS = [(7 * i + 3) % 300 + 5 for i in range(90)]
 
-from tests.engine.tiny_plans import TIERS, slow_cpu_profile
+from tests.engine.tiny_plans import TIERS, slow_cpu_profile, third_of_weights
 
 
 def open_tiny(path, group_size: int = 0, **kwargs):
@@ -54,14 +54,6 @@ def open_tiny(path, group_size: int = 0, **kwargs):
         loaded.config = dataclasses.replace(loaded.config, expert_group_size=group_size)
     kwargs.setdefault("device", DEVICE)
     return TorchEngine(loaded, tiers=TIERS, profile=slow_cpu_profile(), **kwargs)
-
-
-def third_of_weights(eng) -> int:
-    """A third of the weights, plus the KV cache and the largest tier's scratch."""
-    from engine.sharding.memory import kv_cache_bytes, scratch_bytes
-
-    spec = eng.spec
-    return spec.total_weight_bytes // 3 + kv_cache_bytes(spec, eng.kv_tokens) + scratch_bytes(spec, TIERS[-1])
 
 
 def variant_id(v) -> str:

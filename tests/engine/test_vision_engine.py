@@ -6,36 +6,20 @@ from __future__ import annotations
 import io
 import os
 
-import numpy as np
 import pytest
 import torch
 
 import engine
+import tests.engine.vision_fixtures as vf
 from engine.errors import BadInputError
 from engine.models.vision.qwen2_5_vl_processor import image_token_count, preprocess_images
 
+folder, reference = vf.folder, vf.reference   # shared module-scoped fixtures
+SIZES = vf.SIZES
+picture = vf.picture
+
 DEVICE = os.environ.get("SLIPSTREAM_TEST_DEVICE", "sim")
-SIZES = [(123, 77), (300, 500), (640, 200)]      # (width, height)
 QUESTION = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
-
-
-def picture(width, height, seed=0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed + width * 7 + height)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model):
-    return tiny_model("qwen2_5_vl")
-
-
-@pytest.fixture(scope="module")
-def reference(folder):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def reference_greedy(reference, eng, image, n):

@@ -4,10 +4,10 @@ the engine's dense blocks with M-RoPE) give the reference Qwen2.5-VL's logits, p
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
+import tests.engine.vision_fixtures as vf
 from engine.errors import BadInputError
 from engine.models import dense
 from engine.models.vision.mrope import (
@@ -22,33 +22,9 @@ from engine.models.vision.pipeline import prepare_vision_prompt
 from engine.models.vision.qwen2_5_vl_processor import image_token_count, preprocess_images
 from engine.models.vision.qwen2_5_vl_tower import encode_images
 
-SIZES = [(123, 77), (300, 500), (640, 200)]      # (width, height)
-
-
-def _image(width, height, seed=0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed + width * 7 + height)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model):
-    return tiny_model("qwen2_5_vl")
-
-
-@pytest.fixture(scope="module")
-def loaded(folder):
-    from engine.loading.hf_vision import load_hf_vl
-
-    return load_hf_vl(folder)
-
-
-@pytest.fixture(scope="module")
-def reference(folder):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+folder, loaded, reference = vf.folder, vf.loaded, vf.reference   # shared module-scoped fixtures
+SIZES = vf.SIZES
+_image = vf.picture
 
 
 def _messages(n_images: int, inline: bool = True):

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import tests.engine.vision_fixtures as vf
 from engine.models.vision import qwen2_5_vl_tower as tower
 from engine.models.vision.qwen2_5_vl_processor import preprocess_images
 from engine.models.vision.qwen2_5_vl_tower import (
@@ -18,34 +19,11 @@ from engine.models.vision.qwen2_5_vl_tower import (
     window_order,
 )
 
-SIZES = [(123, 77), (300, 500), (640, 200)]      # (width, height)
+folder, loaded, reference = vf.folder, vf.loaded, vf.reference   # shared module-scoped fixtures
+SIZES = vf.SIZES
+_image = vf.picture
+
 TOLERANCE = 1e-4                                  # max |ours - reference| / max |reference|
-
-
-def _image(width, height, seed=0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed + width * 7 + height)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-@pytest.fixture(scope="module")
-def folder(tiny_model):
-    return tiny_model("qwen2_5_vl")
-
-
-@pytest.fixture(scope="module")
-def loaded(folder):
-    from engine.loading.hf_vision import load_hf_vl
-
-    return load_hf_vl(folder)
-
-
-@pytest.fixture(scope="module")
-def reference(folder):
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    return Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def _rel(a, b) -> float:

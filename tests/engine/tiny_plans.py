@@ -24,3 +24,11 @@ def slow_cpu_profile():
         rates["gflops"] /= 1000
     cpu["op_overhead_us"] *= 100
     return ProfileDatabase(data)
+
+
+def third_of_weights(eng) -> int:
+    """A third of the weights, plus the KV cache and the largest tier's scratch."""
+    from engine.sharding.memory import kv_cache_bytes, scratch_bytes
+
+    spec = eng.spec
+    return spec.total_weight_bytes // 3 + kv_cache_bytes(spec, eng.kv_tokens) + scratch_bytes(spec, TIERS[-1])
