@@ -56,7 +56,7 @@ class TorchEngine(Engine):
 
     def __init__(self, path, *, device: str = "auto", vram_budget=None, n_ctx: int | None = None,
                  tiers: tuple[int, ...] = DEFAULT_TIERS, kind: str = "auto", profile=None,
-                 progress=None, speculative: bool | None = None):
+                 progress=None, speculative: bool | None = None, kv_dtype: str | None = None):
         super().__init__()
         from engine.loading import LoadedModel, load_model
         from engine.sharding.device import Accelerator
@@ -87,14 +87,17 @@ class TorchEngine(Engine):
         # KV capacity planned for: starts small (short chats get better plans) and grows with the
         # conversation, each growth a re-plan, up to the context length.
         self.kv_tokens = self._kv_capacity(min(self.context_length, INITIAL_KV_TOKENS))
-        self.spec = ModelSpec.from_config(cfg)
+        if kv_dtype not in (None, "fp8"):
+            raise BadInputError(f"kv_dtype={kv_dtype!r}: expected None (the model's precision) or 'fp8'")
+        self.kv_dtype = kv_dtype
+        self.spec = ModelSpec.from_config(cfg, kv_dtype=kv_dtype)
         if self.device == "cpu":
             self.accel = None
         else:
             index = int(self.device.split(":")[1]) if ":" in self.device else 0
             self.accel = Accelerator("sim" if self.device == "sim" else "cuda", index)
         report(0.6, "packing weights into host memory")
-        self.executor = Executor(cfg, loaded.weights, self.accel, self.dtype)
+        self.executor = Executor(cfg, loaded.weights, self.accel, self.dtype, kv_fp8=kv_dtype == "fp8")
         if self.vision is not None:
             from engine.models.vision import MRotaryTable
 

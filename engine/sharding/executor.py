@@ -29,7 +29,7 @@ from engine.sharding.plan import Placement, Plan
 
 class Executor:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], accel: Accelerator | None,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, kv_fp8: bool = False):
         self.cfg = cfg
         self.accel = accel
         self.dtype = dtype
@@ -40,7 +40,7 @@ class Executor:
 
         self.store = WeightStore(groups, accel)
         self.order = list(groups)                   # embed, layers.0.attn, layers.0.ffn, ..., head
-        self.kv = PagedKVCache(cfg, dtype, accel)
+        self.kv = PagedKVCache(cfg, dtype, accel, fp8=kv_fp8)
         self.rope = RotaryTable(cfg)
         self.plan: Plan | None = None
         self.scratch_booked = 0

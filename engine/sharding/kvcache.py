@@ -13,6 +13,7 @@ turn, or a return to an older conversation, only computes what is new.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -44,30 +45,49 @@ def block_hashes(token_ids: list[int]) -> list[int]:
     return out
 
 
-class LayerPool:
-    """Keys and values of one layer: [capacity_blocks, BLOCK_SIZE, kv_heads, head_dim] each."""
+FP8_MAX = 448.0                  # largest finite float8 e4m3 value
 
-    def __init__(self, shape_tail: tuple[int, int], dtype: torch.dtype):
+
+class LayerPool:
+    """Keys and values of one layer: [capacity_blocks, BLOCK_SIZE, kv_heads, head_dim] each.
+
+    With `fp8`, keys and values are stored as float8 e4m3 (kept in uint8 tensors) with one float32
+    scale per token and head ([capacity_blocks, BLOCK_SIZE, kv_heads] each), about half the bytes of a
+    16-bit cache.
+    """
+
+    def __init__(self, shape_tail: tuple[int, int], dtype: torch.dtype, fp8: bool = False):
         self.tail = shape_tail
         self.dtype = dtype
+        self.fp8 = fp8
         self.on_gpu = False
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.parts: list[torch.Tensor] | None = None     # k, v (, k scales, v scales)
+
+    def part_specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape of one block, dtype) of every stored tensor."""
+        if not self.fp8:
+            return [((BLOCK_SIZE, *self.tail), self.dtype)] * 2
+        return [((BLOCK_SIZE, *self.tail), torch.uint8)] * 2 + [((BLOCK_SIZE, self.tail[0]), torch.float32)] * 2
 
     def block_bytes(self) -> int:
-        return 2 * BLOCK_SIZE * self.tail[0] * self.tail[1] * torch.tensor([], dtype=self.dtype).element_size()
+        return sum(math.prod(shape) * torch.tensor([], dtype=dt).element_size() for shape, dt in self.part_specs())
+
+    @property
+    def k(self) -> torch.Tensor | None:
+        return None if self.parts is None else self.parts[0]
 
     @property
     def capacity(self) -> int:
-        return 0 if self.k is None else self.k.shape[0]
+        return 0 if self.parts is None else self.parts[0].shape[0]
 
 
 class PagedKVCache:
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, accel: Accelerator | None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, accel: Accelerator | None, fp8: bool = False):
         self.cfg = cfg
         self.accel = accel
         self.dtype = dtype
-        self.pools = [LayerPool((cfg.num_kv_heads, cfg.head_dim), dtype) for _ in range(cfg.num_layers)]
+        self.fp8 = fp8
+        self.pools = [LayerPool((cfg.num_kv_heads, cfg.head_dim), dtype, fp8) for _ in range(cfg.num_layers)]
         self.free_blocks: list[int] = []
         self.n_blocks = 0           # logical blocks handed out so far (capacity of every pool)
         self.refs: dict[int, int] = {}                      # block -> sequences using it
@@ -88,25 +108,23 @@ class PagedKVCache:
     def _resize(self, layer: int, pool: LayerPool, n_blocks: int, on_gpu: bool) -> None:
         """Reallocate one layer's pool with `n_blocks` blocks on the GPU or host, keeping its contents.
         The booking changes by the difference only, so a pool that grows in place never double-books."""
-        old_k, old_v = pool.k, pool.v
+        old_parts = pool.parts
         keep = min(pool.capacity, n_blocks)
         device = self.accel.device if on_gpu else torch.device("cpu")
-        shape = (n_blocks, BLOCK_SIZE) + pool.tail
         new_bytes = n_blocks * pool.block_bytes() if on_gpu else 0
         old_bytes = pool.capacity * pool.block_bytes() if pool.on_gpu else 0
         if new_bytes > old_bytes:
             self.accel.book(new_bytes - old_bytes, "kv", f"KV cache of layer {layer}")
         try:
-            k = torch.empty(shape, dtype=self.dtype, device=device)
-            v = torch.empty(shape, dtype=self.dtype, device=device)
+            parts = [torch.empty((n_blocks, *shape), dtype=dt, device=device) for shape, dt in pool.part_specs()]
         except torch.OutOfMemoryError:
             if new_bytes > old_bytes:
                 self.accel.unbook(new_bytes - old_bytes, "kv")
             raise
         for b in range(keep):  # block by block, so a move never needs a second whole copy in flight
-            k[b].copy_(old_k[b])
-            v[b].copy_(old_v[b])
-        pool.k, pool.v, pool.on_gpu = k, v, on_gpu
+            for new_part, old_part in zip(parts, old_parts):
+                new_part[b].copy_(old_part[b])
+        pool.parts, pool.on_gpu = parts, on_gpu
         if old_bytes > new_bytes:
             self.accel.unbook(old_bytes - new_bytes, "kv")
 
@@ -206,8 +224,13 @@ class PagedKVCache:
         pos = torch.arange(start, start + n)
         table = torch.tensor(seq.block_table, dtype=torch.long)
         flat = (table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).to(pool.k.device)
-        pool.k.view(-1, *pool.tail).index_copy_(0, flat, k.transpose(0, 1).to(self.dtype))
-        pool.v.view(-1, *pool.tail).index_copy_(0, flat, v.transpose(0, 1).to(self.dtype))
+        values = [k.transpose(0, 1), v.transpose(0, 1)]              # [n, kv_heads, head_dim]
+        if pool.fp8:
+            scales = [t.abs().amax(-1).float().clamp(min=1e-12) / FP8_MAX for t in values]
+            values = [(t.float() / sc[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
+                      for t, sc in zip(values, scales)] + scales
+        for part, value in zip(pool.parts, values):
+            part.view(-1, *part.shape[2:]).index_copy_(0, flat, value.to(part.dtype))
 
     def read(self, layer: int, seq: Sequence, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first `length` positions: [kv_heads, length, head_dim] each."""
@@ -215,20 +238,22 @@ class PagedKVCache:
         nb = -(-length // BLOCK_SIZE)
         blocks = seq.block_table[:nb]
         if blocks == list(range(blocks[0], blocks[0] + nb)):
-            k = pool.k[blocks[0]:blocks[0] + nb]
-            v = pool.v[blocks[0]:blocks[0] + nb]
+            parts = [p[blocks[0]:blocks[0] + nb] for p in pool.parts]
         else:
             idx = torch.tensor(blocks, dtype=torch.long, device=pool.k.device)
-            k, v = pool.k.index_select(0, idx), pool.v.index_select(0, idx)
-        k = k.reshape(-1, *pool.tail)[:length].transpose(0, 1)
-        v = v.reshape(-1, *pool.tail)[:length].transpose(0, 1)
-        return k, v
+            parts = [p.index_select(0, idx) for p in pool.parts]
+        parts = [p.reshape(-1, *p.shape[2:])[:length] for p in parts]
+        if pool.fp8:
+            k, v, ks, vs = parts
+            parts = [k.view(torch.float8_e4m3fn).to(self.dtype) * ks[..., None].to(self.dtype),
+                     v.view(torch.float8_e4m3fn).to(self.dtype) * vs[..., None].to(self.dtype)]
+        return parts[0].transpose(0, 1), parts[1].transpose(0, 1)
 
     def close(self) -> None:
         for i, pool in enumerate(self.pools):
             if pool.on_gpu and pool.k is not None:
                 self.accel.unbook(pool.capacity * pool.block_bytes(), "kv")
-            pool.k = pool.v = None
+            pool.parts = None
             pool.on_gpu = False
         self.free_blocks, self.n_blocks = [], 0
         self.refs.clear(), self.hash_of.clear(), self.block_of.clear(), self.evictable.clear()

@@ -43,7 +43,9 @@ class ModelSpec:
     @staticmethod
     def from_config(cfg: ModelConfig, *, dtype: str | None = None, kv_dtype: str | None = None) -> ModelSpec:
         db = DTYPE_BYTES[dtype or cfg.dtype]
-        kvb = DTYPE_BYTES[kv_dtype or dtype or cfg.dtype]
+        fp8_kv = kv_dtype == "fp8"            # float8 e4m3 keys/values with a float32 scale per head
+        kvb = 1 if fp8_kv else DTYPE_BYTES[kv_dtype or dtype or cfg.dtype]
+        kv_per_token = 2 * cfg.num_kv_heads * (cfg.head_dim + 4) if fp8_kv else 2 * cfg.kv_size * kvb
         h, hd = cfg.hidden_size, cfg.head_dim
         groups = weight_names(cfg)
         subs: list[SubLayerSpec] = []
@@ -63,7 +65,7 @@ class ModelSpec:
                     extra += 2 * hd
                 subs.append(SubLayerSpec(
                     name, "attn", layer, names, (proj + extra) * db, 2 * proj,
-                    2 * cfg.kv_size * kvb, 4 * cfg.num_heads * hd))
+                    kv_per_token, 4 * cfg.num_heads * hd))
             elif ".experts." in name:
                 layer, n_exp = int(name.split(".")[1]), len(names) // 3
                 mats = 3 * h * cfg.moe_intermediate_size      # one expert
