@@ -188,6 +188,7 @@ class TorchEngine(Engine):
     def set_vram_budget(self, n_bytes) -> None:
         """Re-plan for a new budget (bytes or "4GiB"; None = what the driver reports free, less a
         reserve). Safe from any thread: mid-generation it takes effect at the next sub-layer boundary."""
+        self._require_open()
         budget = self._initial_budget(None) if n_bytes is None else parse_bytes(n_bytes, "vram_budget")
         if budget > 0 and self.accel is None:
             # A CPU-only engine has no VRAM to use; the budget is recorded and has no effect.
@@ -206,10 +207,12 @@ class TorchEngine(Engine):
             raise BadInputError(f"plan kind {kind!r}: expected 'auto' or one of {', '.join(PLAN_KINDS)}")
         self._forced = kind
         if self.planset is not None:
+            self._require_open()
             with self._lock:
                 self._set_budget_now(self.budget, f"force_plan {kind}")
 
     def plan_report(self) -> dict:
+        self._require_open()
         rep = self.planset.report()
         rep.update(device=self.device, forced=self._forced, context_tokens=self.kv_tokens,
                    model_bytes=self.spec.total_weight_bytes, backend="torch")
@@ -217,8 +220,14 @@ class TorchEngine(Engine):
             rep["in_use"] = dict(self.accel.used, total=self.accel.total_used, peak=self.accel.peak)
         return rep
 
+    def _require_open(self) -> None:
+        if self.executor is None:
+            raise BadInputError(f"{Path(self.source).name}: the model was closed")
+
     def stats(self) -> dict:
         s = super().stats()
+        if self.executor is None:
+            return s
         kv = self.executor.kv
         s.update(budget=self.budget, plan=self.executor.plan.kind if self.executor.plan else None,
                  streamed_bytes=self.executor.copied_bytes, replans=len(self.replans),
@@ -269,6 +278,7 @@ class TorchEngine(Engine):
 
     # ---- images (vision-language models) -------------------------------------------------------
     def encode_prompt(self, prompt_or_messages, images=None) -> list[int]:
+        self._require_open()
         if not images or self.vision is None:
             return super().encode_prompt(prompt_or_messages, images)
         from engine.models.vision import prepare_vision_prompt
@@ -358,6 +368,7 @@ class TorchEngine(Engine):
 
     @torch.inference_mode()
     def score(self, token_ids) -> torch.Tensor:
+        self._require_open()
         ids = [int(t) for t in (token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids)]
         if not ids:
             raise BadInputError("score: no tokens")

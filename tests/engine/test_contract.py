@@ -123,3 +123,13 @@ def test_cli_prints_one_line_errors(tmp_path, tiny_model):
     ok = subprocess.run(run + ["--prompt", "hello", "--max-new-tokens", "4", "--model", str(tiny_model("llama"))],
                         capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
+
+
+def test_a_closed_engine_says_so(tiny_model):
+    eng = engine.open_model(tiny_model("llama"), device="cpu", backend="torch")
+    eng.close()
+    for call in (lambda: eng.generate("hi"), lambda: eng.score([1, 2]), lambda: eng.set_vram_budget("1GiB"),
+                 eng.plan_report, lambda: eng.force_plan("static")):
+        with pytest.raises(BadInputError, match="closed"):
+            call()
+    assert "ttft_s" in eng.stats()
