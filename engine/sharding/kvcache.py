@@ -95,6 +95,7 @@ class PagedKVCache:
         self.block_of: dict[int, int] = {}                  # chain hash -> cached block
         self.evictable: OrderedDict[int, None] = OrderedDict()   # cached, unused; oldest first
         self.prefix_stats = {"lookups": 0, "prompt_tokens": 0, "hit_tokens": 0}
+        self._slot_memo: tuple = (None, None)
         self.block_bytes = self.pools[0].block_bytes() if self.pools else 0
 
     # ---- block allocation ----------------------------------------------------------------------
@@ -220,10 +221,7 @@ class PagedKVCache:
     def write(self, layer: int, seq: Sequence, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [kv_heads, n, head_dim] for positions start..start+n-1."""
         pool = self.pools[layer]
-        n = k.shape[1]
-        pos = torch.arange(start, start + n)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        flat = (table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).to(pool.k.device)
+        flat = self._slot_index(seq, start, k.shape[1], pool.k.device)
         values = [k.transpose(0, 1), v.transpose(0, 1)]              # [n, kv_heads, head_dim]
         if pool.fp8:
             scales = [t.abs().amax(-1).float().clamp(min=1e-12) / FP8_MAX for t in values]
@@ -231,6 +229,18 @@ class PagedKVCache:
                       for t, sc in zip(values, scales)] + scales
         for part, value in zip(pool.parts, values):
             part.view(-1, *part.shape[2:]).index_copy_(0, flat, value.to(part.dtype))
+
+    def _slot_index(self, seq: Sequence, start: int, n: int, device: torch.device) -> torch.Tensor:
+        """Flat pool rows of positions start..start+n-1, computed once per step and device (every layer
+        of a step writes the same rows)."""
+        blocks = tuple(seq.block_table[start // BLOCK_SIZE:(start + n - 1) // BLOCK_SIZE + 1])
+        key = (start, n, blocks, device)
+        if self._slot_memo[0] != key:
+            pos = torch.arange(start, start + n)
+            table = torch.tensor(blocks, dtype=torch.long)
+            flat = table[pos // BLOCK_SIZE - start // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+            self._slot_memo = (key, flat.to(device))
+        return self._slot_memo[1]
 
     def read(self, layer: int, seq: Sequence, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first `length` positions: [kv_heads, length, head_dim] each."""
