@@ -41,6 +41,7 @@ VARIANTS = [
 ]
 IDS = [(7 * i + 3) % 300 + 5 for i in range(90)]
 
+from tests.engine.reference import rel_err, transformers_logits
 from tests.engine.tiny_plans import TIERS, slow_cpu_profile, third_of_weights
 
 
@@ -61,15 +62,7 @@ def variant_id(v) -> str:
 
 
 def reference(path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor([IDS])).logits[0].float()
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got - ref).abs().max() / ref.abs().max()).item()
+    return transformers_logits(path, IDS)
 
 
 # ---- configuration and loading -----------------------------------------------------------------

@@ -1,0 +1,19 @@
+"""The outside reference for the fidelity tests: transformers' own logits, and the error measure."""
+
+from __future__ import annotations
+
+import torch
+
+
+def transformers_logits(path, ids: list[int]) -> torch.Tensor:
+    """Teacher-forced float32 logits [len(ids), vocab] of the Hugging Face folder at `path`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref|."""
+    return ((got - ref).abs().max() / ref.abs().max()).item()
