@@ -163,14 +163,15 @@ class TorchEngine(Engine):
         """Re-plan for `budget` and bring memory to the new plan (called with the engine idle or at a
         sub-layer boundary of the running step)."""
         t0 = time.perf_counter()
-        planset = self._make_planset(budget)
-        shrinking = self.accel is not None and budget < self.accel.budget
+        room = budget if self.accel is None else self.accel.usable(budget)   # less the process overhead
+        planset = self._make_planset(room)
+        shrinking = self.accel is not None and room < self.accel.budget
         if self.accel is not None and not shrinking:
-            self.accel.budget = budget
+            self.accel.budget = room
         self.planset = planset
         self.executor.activate(planset.for_tokens(1), kv_blocks=self.kv_tokens // BLOCK_SIZE)
         if shrinking:
-            self.accel.budget = budget
+            self.accel.budget = room
             self.executor.release_to_driver()
         self.budget = budget
         self.replans.append({"time": time.time(), "budget": budget, "reason": reason,
@@ -218,6 +219,11 @@ class TorchEngine(Engine):
                    model_bytes=self.spec.total_weight_bytes, backend="torch")
         if self.accel is not None:
             rep["in_use"] = dict(self.accel.used, total=self.accel.total_used, peak=self.accel.peak)
+            rep["process_overhead"] = {"bytes": self.accel.overhead, "source": self.accel.overhead_source,
+                                       "bookable": self.accel.budget}
+        from engine import kernels
+
+        rep["cpu_matmul"] = kernels.status()
         return rep
 
     def _require_open(self) -> None:

@@ -10,8 +10,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.config import ModelConfig
 from engine.models.rope import apply_rotary
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, through the native CPU kernel for the few-row matmuls of decode (see engine.kernels)."""
+    if x.device.type == "cpu":
+        y = kernels.linear(x, w, b)
+        if y is not None:
+            return y
+    return F.linear(x, w, b)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -31,12 +41,12 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
     n = x.shape[0]
     h = rms_norm(x, w["attn_norm.weight"], cfg.rms_norm_eps)
     if "qkv.weight" in w and (not cfg.attention_bias or "qkv.bias" in w):
-        q, k, v = F.linear(h, w["qkv.weight"], w.get("qkv.bias")).split(
+        q, k, v = linear(h, w["qkv.weight"], w.get("qkv.bias")).split(
             [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
     else:
-        q = F.linear(h, w["q.weight"], w.get("q.bias"))
-        k = F.linear(h, w["k.weight"], w.get("k.bias"))
-        v = F.linear(h, w["v.weight"], w.get("v.bias"))
+        q = linear(h, w["q.weight"], w.get("q.bias"))
+        k = linear(h, w["k.weight"], w.get("k.bias"))
+        v = linear(h, w["v.weight"], w.get("v.bias"))
     q = q.reshape(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
     k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
     v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
@@ -49,7 +59,7 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
     keys, values = kv_read()
     out = _attend(q, keys, values, mask, cfg.num_kv_heads != cfg.num_heads)
     out = out.transpose(0, 1).reshape(n, cfg.q_size)
-    return x + F.linear(out, w["o.weight"])
+    return x + linear(out, w["o.weight"])
 
 
 def _attend(q, keys, values, mask, gqa: bool) -> torch.Tensor:
@@ -72,10 +82,10 @@ def ffn_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> 
     """Pre-norm SwiGLU feed-forward."""
     h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
     if "gate_up.weight" in w:
-        gate, up = F.linear(h, w["gate_up.weight"]).chunk(2, dim=-1)
+        gate, up = linear(h, w["gate_up.weight"]).chunk(2, dim=-1)
     else:
-        gate, up = F.linear(h, w["gate.weight"]), F.linear(h, w["up.weight"])
-    return x + F.linear(F.silu(gate) * up, w["down.weight"])
+        gate, up = linear(h, w["gate.weight"]), linear(h, w["up.weight"])
+    return x + linear(F.silu(gate) * up, w["down.weight"])
 
 
 def embed_tokens(w: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
@@ -88,7 +98,7 @@ def output_head(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -
     head = w.get("head.weight")
     if head is None:
         head = w["embed.weight"]
-    return F.linear(h, head).float()
+    return linear(h, head).float()
 
 
 def attention_mask(n_new: int, start: int, sliding_window: int | None, device):

@@ -5,10 +5,15 @@ slots, KV blocks, reserved scratch) is booked under a tag against the budget, an
 it raises `OutOfBudgetError` (on CUDA the driver may also refuse first; the engine treats both alike).
 Both run weight copies on a separate copy engine: a CUDA stream, or for "sim" one background thread.
 Waiting for the GPU never spins: events are polled with a short sleep, so CPU compute keeps its threads.
+
+A budget is what the whole process may hold on the GPU, as NVML counts it: on CUDA the accelerator
+measures what the process holds beyond its booked allocations (the CUDA context, cuBLAS workspaces) once,
+and `usable(budget)` is what is left of a budget for bookings after that and a small allocator margin.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,6 +25,41 @@ from engine.units import format_bytes
 
 TAGS = ("weights", "kv", "slots", "scratch")
 _POLL_S = 0.0002
+CONTEXT_FALLBACK = 640 << 20          # a CUDA context + cuBLAS workspaces where NVML cannot say
+ALLOCATOR_MARGIN = (48 << 20, 0.02)   # allocator rounding and small unbooked tensors: max(48 MiB, 2%)
+
+
+def process_vram_bytes(index: int = 0) -> int | None:
+    """NVML's figure for this process on GPU `index` (None where NVML cannot say)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if p.pid == os.getpid() and p.usedGpuMemory:
+                return int(p.usedGpuMemory)
+    except Exception:  # noqa: BLE001 - no library, no driver, no per-process figures (WDDM)
+        return None
+    return None
+
+
+def _measure_overhead(device: torch.device) -> tuple[int, str]:
+    """Bytes this process holds on the GPU outside its own allocations, after the CUDA context is up and
+    cuBLAS has made its workspace; and how that figure was found."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved(device)
+    a = torch.ones(256, 256, device=device, dtype=torch.bfloat16)
+    (a @ a).sum().item()
+    del a
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    workspace = max(0, torch.cuda.memory_reserved(device) - before)
+    nvml = process_vram_bytes(device.index or 0)
+    if nvml is None:
+        return CONTEXT_FALLBACK + workspace, "estimate (NVML has no per-process figure)"
+    return max(0, nvml - torch.cuda.memory_reserved(device)) + workspace, "measured with NVML"
 
 
 def _copy_inference(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -67,9 +107,15 @@ class Accelerator:
         self.used = {t: 0 for t in TAGS}
         self.peak = 0
         self._lock = threading.Lock()
+        self.overhead, self.overhead_source = 0, "none (simulated device)"
         if kind == "cuda":
             self._copy_stream = torch.cuda.Stream(self.device)
             self._pool = None
+            env = os.environ.get("SLIPSTREAM_VRAM_OVERHEAD")
+            if env is not None:
+                self.overhead, self.overhead_source = int(env), "SLIPSTREAM_VRAM_OVERHEAD"
+            else:
+                self.overhead, self.overhead_source = _measure_overhead(self.device)
         else:
             self._copy_stream = None
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-copy")
@@ -77,6 +123,15 @@ class Accelerator:
     @property
     def name(self) -> str:
         return str(self.device) if self.kind == "cuda" else "sim"
+
+    def usable(self, budget: int) -> int:
+        """What a whole-process budget leaves for bookings: less the process overhead and a margin."""
+        if self.kind != "cuda" or budget <= 0:
+            return max(budget, 0)
+        if os.environ.get("SLIPSTREAM_VRAM_OVERHEAD") == "0":
+            return budget            # tests that size budgets in bytes of their own tiny models
+        margin = max(ALLOCATOR_MARGIN[0], int(budget * ALLOCATOR_MARGIN[1]))
+        return max(0, budget - self.overhead - margin)
 
     @property
     def total_used(self) -> int:

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.models import dense
+
 Progress = Callable[[float, str], None]
 DTYPES = ("bfloat16", "float16", "float32")
 _TORCH = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -145,7 +147,7 @@ def gemm_table(sizes: Sizes, device, step: _Steps) -> dict[str, dict[str, list[l
 def _linear_fn(ws: list[torch.Tensor], n: int) -> Callable[[int], object]:
     """F.linear of n random rows against the i-th weight of `ws` (cycling)."""
     x = torch.randn(n, ws[0].shape[1], dtype=ws[0].dtype, device=ws[0].device)
-    return lambda i: F.linear(x, ws[i % len(ws)])
+    return lambda i: dense.linear(x, ws[i % len(ws)])
 
 
 def _sdpa_fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -207,7 +209,7 @@ def gemv_pass(sizes: Sizes) -> tuple[Callable[[int], object], int]:
     dt = torch.bfloat16 if "bfloat16" in sizes.dtypes else _TORCH[sizes.dtypes[0]]
     ws = _weights((sizes.ffn, sizes.hidden), dt, sizes.rotate_bytes, "cpu", sizes.pinned)
     x = torch.randn(1, sizes.hidden, dtype=dt)
-    return (lambda i: F.linear(x, ws[i % len(ws)])), ws[0].numel() * ws[0].element_size()
+    return (lambda i: dense.linear(x, ws[i % len(ws)])), ws[0].numel() * ws[0].element_size()
 
 
 def thread_sweep(sizes: Sizes, step: _Steps) -> dict[str, float]:

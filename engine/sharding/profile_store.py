@@ -76,8 +76,11 @@ def fingerprint(device: str) -> dict:
     """What a profile was measured on; any change here means the profile no longer applies."""
     import torch
 
+    from engine import kernels
+
     fp = {"schema": SCHEMA, "device": device, "cpu": _cpu_model(), "cpu_threads": os.cpu_count(),
-          "torch_threads": torch.get_num_threads(), "torch": torch.__version__.split("+")[0]}
+          "torch_threads": torch.get_num_threads(), "torch": torch.__version__.split("+")[0],
+          "cpu_matmul": kernels.status()}
     if device.startswith("cuda"):
         index = int(device.split(":")[1]) if ":" in device else 0
         props = torch.cuda.get_device_properties(index)

@@ -1,0 +1,181 @@
+"""Native CPU kernels, built on first use on the machine that runs them.
+
+`linear(x, w, bias)` computes `x @ w.T + bias` for a few rows of `x` (decode, small batches) with
+`cpu_linear.c`: weights stay in their own precision (bf16, fp16, fp32), products and sums run in float32,
+the result is rounded once, as PyTorch's own CPU matmul does. It exists because the CPU side of a plan is
+bound by how fast weights stream from DRAM, and PyTorch's bf16 GEMV on the CPU reaches only part of that.
+
+The library is compiled with the system C compiler (`$CC`, else `cc`/`gcc`/`clang`) for this CPU
+(`-march=native`) into the user cache folder, keyed by the source, the compiler and the CPU's feature list,
+so it builds once per machine (about a second). Without a compiler, on an unsupported dtype or shape, or
+with `SLIPSTREAM_CPU_KERNEL=torch`, callers fall back to PyTorch: `linear` returns None and `status()` says
+why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_linear.c")
+MAX_ROWS = 16              # above this many rows PyTorch's blocked GEMM (AMX/AVX-512) is the better path
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ISA = {0: "portable C", 1: "AVX-512", 2: "AVX512-BF16"}
+
+_lock = threading.Lock()
+_lib = None
+_why_not: str | None = None
+_threads = 0
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("SLIPSTREAM_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    try:
+        import platformdirs
+        return Path(platformdirs.user_cache_dir("Slipstream", appauthor=False)) / "kernels"
+    except ImportError:
+        return Path.home() / ".cache" / "slipstream" / "kernels"
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return shutil.which(cc)
+    return None
+
+
+def _build() -> Path:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + cc.encode() + _cpu_features().encode() + sys.platform.encode()).hexdigest()[:16]
+    suffix = ".dylib" if sys.platform == "darwin" else ".so"
+    out = _cache_dir() / f"cpu_linear-{key}{suffix}"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for arch in (["-march=native"], ["-mcpu=native"], []):
+        with tempfile.NamedTemporaryFile(dir=out.parent, suffix=suffix, delete=False) as tmp:
+            tmp_path = Path(tmp.name)
+        cmd = [cc, "-O3", *arch, "-shared", "-fPIC", "-pthread", "-o", str(tmp_path), str(SOURCE), "-lm"]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            r = None
+            errors.append(f"{' '.join(cmd)}: {e}")
+        if r is not None and r.returncode == 0:
+            os.replace(tmp_path, out)     # atomic: a concurrent build of the same key is harmless
+            return out
+        if r is not None:
+            errors.append(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
+        tmp_path.unlink(missing_ok=True)
+    raise RuntimeError("building the CPU kernel failed: " + "; ".join(errors))
+
+
+def _load():
+    """The loaded library, or None (and `_why_not` set)."""
+    global _lib, _why_not
+    if _lib is not None or _why_not is not None:
+        return _lib
+    with _lock:
+        if _lib is not None or _why_not is not None:
+            return _lib
+        if os.environ.get("SLIPSTREAM_CPU_KERNEL", "").lower() in ("torch", "off", "0", "none"):
+            _why_not = "disabled by SLIPSTREAM_CPU_KERNEL"
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build()))     # CDLL releases the GIL during calls
+        except (RuntimeError, OSError) as e:
+            _why_not = str(e).splitlines()[0]
+            log.info("CPU kernel unavailable, using PyTorch: %s", _why_not)
+            return None
+        lib.sl_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                  ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        lib.sl_linear.restype = ctypes.c_int
+        lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.sl_set_threads.restype = ctypes.c_int
+        lib.sl_isa.restype = ctypes.c_int
+        _lib = lib
+        return lib
+
+
+def _sync_threads(lib) -> None:
+    global _threads
+    want = torch.get_num_threads()
+    if want != _threads:
+        with _lock:
+            if want != _threads:
+                _threads = lib.sl_set_threads(want, -1)
+
+
+def status() -> str:
+    """One line: which CPU matmul path small-batch linear layers take, and why."""
+    lib = _load()
+    if lib is None:
+        return f"torch ({_why_not})"
+    return f"native {_ISA.get(lib.sl_isa(), '?')}, {torch.get_num_threads()} threads"
+
+
+_enabled = True
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn the native path on or off in this process (benchmarks compare both); returns the old state."""
+    global _enabled
+    old, _enabled = _enabled, bool(flag)
+    return old
+
+
+def usable(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (_enabled and x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype and x.dtype in _DTYPES
+            and w.dim() == 2 and x.shape[-1] == w.shape[1] and 0 < x.numel() // max(w.shape[1], 1) <= MAX_ROWS
+            and _load() is not None)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`x @ w.T (+ bias)` through the native kernel, or None where it does not apply (the caller then
+    uses PyTorch). x [..., K], w [N, K], bias [N]; all on the CPU, one dtype."""
+    if not usable(x, w) or (bias is not None and (bias.dtype != w.dtype or bias.device.type != "cpu")):
+        return None
+    lib = _lib
+    _sync_threads(lib)
+    if x.requires_grad or w.requires_grad:
+        return None
+    x2 = x.reshape(-1, w.shape[1]).contiguous()
+    if not w.is_contiguous():
+        return None
+    wc = w
+    b = None if bias is None else bias.contiguous()
+    y = torch.empty(x2.shape[0], w.shape[0], dtype=w.dtype)
+    rc = lib.sl_linear(_DTYPES[w.dtype], x2.data_ptr(), wc.data_ptr(), None if b is None else b.data_ptr(),
+                       y.data_ptr(), x2.shape[0], w.shape[0], w.shape[1])
+    if rc != 0:
+        return None
+    return y.reshape(*x.shape[:-1], w.shape[0])

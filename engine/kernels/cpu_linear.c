@@ -1,0 +1,349 @@
+/* Small-batch linear layers on the CPU: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]).
+ *
+ * Decode reads every weight once per token, so the CPU side of a plan is bound by how fast it streams
+ * weights from DRAM. This kernel keeps the weights in their own precision (bf16, fp16 or fp32), multiplies
+ * them with the activations in float32 (bf16 pairs through AVX512-BF16's dot product where the CPU has it),
+ * accumulates in float32 and rounds the result once to the output precision, as a BLAS call would.
+ *
+ * Work is split into contiguous row ranges over a small pthread pool of its own: workers spin briefly
+ * after a job (consecutive matmuls of one layer follow each other within microseconds) and then sleep on a
+ * condition variable, so an idle engine costs no CPU.
+ *
+ * Built on the machine that runs it (`-O3 -march=native`), see engine/kernels/__init__.py.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+
+#define MAX_THREADS 256
+#define ROWS 4      /* output rows computed together (one activation load feeds four weight rows) */
+#define MTILE 4     /* tokens computed together */
+
+/* ---- scalar conversions ------------------------------------------------------------------------- */
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* quiet NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);                                           /* round to nearest even */
+    return (uint16_t)(u >> 16);
+}
+
+static inline float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0) {
+        if (man == 0) { u = sign; }
+        else {
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            u = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) { u = sign | 0x7f800000u | (man << 13); }
+    else { u = sign | ((exp + 127 - 15) << 23) | (man << 13); }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t f32_to_f16(float f) {
+#if defined(__F16C__)
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    /* portable round-to-nearest-even conversion */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t sign = (u >> 16) & 0x8000;
+    int32_t exp = (int32_t)((u >> 23) & 0xff) - 127 + 15;
+    uint32_t man = u & 0x7fffff;
+    if (((u >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7c00);
+    if (exp <= 0) {
+        if (exp < -10) return (uint16_t)sign;
+        man |= 0x800000;
+        uint32_t shift = (uint32_t)(14 - exp);
+        uint32_t half = 1u << (shift - 1), rest = man & ((1u << shift) - 1), r = man >> shift;
+        if (rest > half || (rest == half && (r & 1))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = (uint32_t)(exp << 10) | (man >> 13), rest = man & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (r & 1))) r++;
+    return (uint16_t)(sign | r);
+#endif
+}
+
+/* ---- dot products of ROWS weight rows with up to MTILE activation rows ------------------------- */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+typedef struct {
+    int dtype;
+    const void *x, *w, *bias;
+    void *y;
+    int64_t M, N, K;
+} linear_job;
+
+static inline float load_elem(int dtype, const void *p, int64_t i) {
+    if (dtype == DT_F32) return ((const float *)p)[i];
+    if (dtype == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return f16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline void store_elem(int dtype, void *p, int64_t i, float v) {
+    if (dtype == DT_F32) ((float *)p)[i] = v;
+    else if (dtype == DT_BF16) ((uint16_t *)p)[i] = f32_to_bf16(v);
+    else ((uint16_t *)p)[i] = f32_to_f16(v);
+}
+
+#if defined(__AVX512F__)
+/* 16 lanes of weights (or activations) as float32, masked past the row's end */
+static inline __m512 load16(int dtype, const void *p, int64_t k, __mmask16 m) {
+    if (dtype == DT_F32) return _mm512_maskz_loadu_ps(m, (const float *)p + k);
+    __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)p + k);
+    if (dtype == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+/* acc[r][t] over k in [0, K): the generic AVX-512 path (fp32 FMA after widening) */
+static inline __attribute__((always_inline)) void
+dots_avx512_impl(int dtype, const void *x, const void *w, int64_t K, const int nr, const int nt, int64_t n0,
+                 float out[ROWS][MTILE]) {
+    size_t es = dtype == DT_F32 ? 4 : 2;
+    __m512 acc[ROWS][MTILE];
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < MTILE; t++) acc[r][t] = _mm512_setzero_ps();
+    const char *wb = (const char *)w + (size_t)n0 * K * es;
+    for (int64_t k = 0; k < K; k += 16) {
+        __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+        __m512 xv[MTILE];
+        for (int t = 0; t < nt; t++) xv[t] = load16(dtype, (const char *)x + (size_t)t * K * es, k, m);
+        for (int r = 0; r < nr; r++) {
+            __m512 wv = load16(dtype, wb + (size_t)r * K * es, k, m);
+            for (int t = 0; t < nt; t++) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* bf16 x bf16 pairs multiplied exactly and summed in float32 by vdpbf16ps: half the instructions of the
+ * widening path, so the kernel stays bound by DRAM, not by the conversion. */
+static inline __attribute__((always_inline)) void
+dots_bf16_dp_impl(const void *x, const void *w, int64_t K, const int nr, const int nt, int64_t n0,
+                  float out[ROWS][MTILE]) {
+    __m512 acc[ROWS][MTILE];
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < MTILE; t++) acc[r][t] = _mm512_setzero_ps();
+    const uint16_t *wb = (const uint16_t *)w + (size_t)n0 * K;
+    for (int64_t k = 0; k < K; k += 32) {
+        __mmask32 m = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (K - k)) - 1);
+        __m512bh xv[MTILE];
+        for (int t = 0; t < nt; t++)
+            xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)x + (size_t)t * K + k);
+        for (int r = 0; r < nr; r++) {
+            __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, wb + (size_t)r * K + k);
+            for (int t = 0; t < nt; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv[t], wv);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+#endif
+
+/* Full row blocks get compile-time tile sizes, so the accumulators stay in registers. */
+#define DISPATCH(CALL)                                                                                    \
+    do {                                                                                                  \
+        if (nr == ROWS) {                                                                                 \
+            switch (nt) {                                                                                 \
+            case 1: CALL(ROWS, 1); break;                                                                 \
+            case 2: CALL(ROWS, 2); break;                                                                 \
+            case 3: CALL(ROWS, 3); break;                                                                 \
+            default: CALL(ROWS, MTILE); break;                                                            \
+            }                                                                                             \
+        } else {                                                                                          \
+            CALL(nr, nt);                                                                                 \
+        }                                                                                                 \
+    } while (0)
+
+#if defined(__AVX512F__)
+static void dots_avx512(int dtype, const void *x, const void *w, int64_t K, int nr, int nt, int64_t n0,
+                        float out[ROWS][MTILE]) {
+#define AVX512_CALL(R, T) dots_avx512_impl(dtype, x, w, K, R, T, n0, out)
+    DISPATCH(AVX512_CALL);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+static void dots_bf16_dp(const void *x, const void *w, int64_t K, int nr, int nt, int64_t n0,
+                         float out[ROWS][MTILE]) {
+#define BF16_CALL(R, T) dots_bf16_dp_impl(x, w, K, R, T, n0, out)
+    DISPATCH(BF16_CALL);
+}
+#endif
+
+static __attribute__((unused)) void dots_scalar(int dtype, const void *x, const void *w, int64_t K, int nr, int nt, int64_t n0,
+                        float out[ROWS][MTILE]) {
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) {
+            float s = 0.0f;
+            for (int64_t k = 0; k < K; k++)
+                s += load_elem(dtype, w, (n0 + r) * K + k) * load_elem(dtype, x, (int64_t)t * K + k);
+            out[r][t] = s;
+        }
+}
+
+static void linear_rows(const linear_job *j, int64_t n_begin, int64_t n_end) {
+    size_t es = j->dtype == DT_F32 ? 4 : 2;
+    float out[ROWS][MTILE];
+    for (int64_t m0 = 0; m0 < j->M; m0 += MTILE) {
+        int nt = (int)(j->M - m0 < MTILE ? j->M - m0 : MTILE);
+        const void *xm = (const char *)j->x + (size_t)m0 * j->K * es;
+        for (int64_t n = n_begin; n < n_end; n += ROWS) {
+            int nr = (int)(n_end - n < ROWS ? n_end - n : ROWS);
+#if defined(__AVX512BF16__)
+            if (j->dtype == DT_BF16) dots_bf16_dp(xm, j->w, j->K, nr, nt, n, out);
+            else dots_avx512(j->dtype, xm, j->w, j->K, nr, nt, n, out);
+#elif defined(__AVX512F__)
+            dots_avx512(j->dtype, xm, j->w, j->K, nr, nt, n, out);
+#else
+            dots_scalar(j->dtype, xm, j->w, j->K, nr, nt, n, out);
+#endif
+            for (int r = 0; r < nr; r++) {
+                float b = j->bias ? load_elem(j->dtype, j->bias, n + r) : 0.0f;
+                for (int t = 0; t < nt; t++) store_elem(j->dtype, j->y, (m0 + t) * j->N + n + r, out[r][t] + b);
+            }
+        }
+    }
+}
+
+/* ---- the thread pool ---------------------------------------------------------------------------- */
+static struct {
+    int n;                       /* threads including the caller */
+    pthread_t th[MAX_THREADS];
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    atomic_uint gen;             /* bumped once per job */
+    atomic_int pending;          /* workers still running the current job */
+    atomic_int stop;
+    const linear_job *job;
+    int spin;                    /* pause instructions a worker spins before sleeping */
+    unsigned start_gen;          /* gen when the workers were created: a job may be posted before they run */
+} pool = {0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 20000, 0};
+
+static void run_share(const linear_job *j, int i, int n) {
+    /* contiguous row ranges, multiples of ROWS, one per thread */
+    int64_t blocks = (j->N + ROWS - 1) / ROWS;
+    int64_t b0 = blocks * i / n, b1 = blocks * (i + 1) / n;
+    int64_t n0 = b0 * ROWS, n1 = b1 * ROWS < j->N ? b1 * ROWS : j->N;
+    if (n0 < n1) linear_rows(j, n0, n1);
+}
+
+static void *worker(void *arg) {
+    int i = (int)(intptr_t)arg;
+    unsigned seen = pool.start_gen;
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen && spins < pool.spin) {
+            CPU_RELAX();
+            spins++;
+        }
+        if (atomic_load_explicit(&pool.gen, memory_order_acquire) == seen) {
+            pthread_mutex_lock(&pool.mu);
+            while (atomic_load(&pool.gen) == seen && !atomic_load(&pool.stop)) pthread_cond_wait(&pool.cv, &pool.mu);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        if (atomic_load(&pool.stop)) return NULL;
+        seen++;                  /* jobs are posted one at a time: the caller waits for every share */
+        run_share(pool.job, i, pool.n);
+        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel);
+    }
+}
+
+static void pool_stop(void) {
+    if (pool.n <= 1) { pool.n = 1; return; }
+    pthread_mutex_lock(&pool.mu);
+    atomic_store(&pool.stop, 1);
+    pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+    for (int i = 1; i < pool.n; i++) pthread_join(pool.th[i], NULL);
+    atomic_store(&pool.stop, 0);
+    pool.n = 1;
+}
+
+/* (Re)start the pool with `threads` threads (the caller counts as one); returns the count in use. */
+int sl_set_threads(int threads, int spin) {
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (spin >= 0) pool.spin = spin;
+    if (threads == pool.n) return pool.n;
+    pool_stop();
+    pool.n = threads;
+    pool.start_gen = atomic_load(&pool.gen);
+    for (int i = 1; i < threads; i++) {
+        if (pthread_create(&pool.th[i], NULL, worker, (void *)(intptr_t)i) != 0) {
+            pool.n = i;
+            break;
+        }
+    }
+    return pool.n;
+}
+
+/* y = x @ w.T (+ bias); dtype 0 fp32, 1 bf16, 2 fp16; all arrays contiguous, row-major. */
+int sl_linear(int dtype, const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
+              int64_t K) {
+    if (dtype < 0 || dtype > 2 || M < 0 || N < 0 || K < 0) return -1;
+    if (pool.n == 0) sl_set_threads(1, -1);
+    linear_job j = {dtype, x, w, bias, y, M, N, K};
+    int n = pool.n;
+    int64_t blocks = (N + ROWS - 1) / ROWS;
+    if (n > blocks) n = (int)(blocks > 0 ? blocks : 1);
+    if (N * K < (1 << 16)) n = 1;          /* too small to be worth waking the pool */
+    if (n <= 1 || pool.n <= 1) {
+        linear_rows(&j, 0, N);
+        return 0;
+    }
+    /* every pool thread takes part (idle shares are empty); pool.n fixes the split */
+    pool.job = &j;
+    atomic_store(&pool.pending, pool.n - 1);
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+    run_share(&j, 0, pool.n);
+    for (int spins = 0; atomic_load_explicit(&pool.pending, memory_order_acquire) > 0; spins++) {
+        CPU_RELAX();
+        if (spins > 4096) sched_yield();   /* a worker was preempted (a loaded machine): let it run */
+    }
+    return 0;
+}
+
+/* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C. */
+int sl_isa(void) {
+#if defined(__AVX512BF16__)
+    return 2;
+#elif defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,90 @@
+"""The native CPU matmul (engine.kernels) against a float64 reference, and its fallbacks."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import kernels
+from engine.models import dense
+
+needs_kernel = pytest.mark.skipif(kernels._load() is None, reason=f"no native kernel: {kernels.status()}")
+
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("shape", [(300, 1024), (37, 50), (5, 33), (1, 1), (260, 16)])
+def test_matches_float64_reference(dtype, rows, shape):
+    """As accurate as a float32-accumulating matmul rounded once (what PyTorch's CPU matmul does)."""
+    g = torch.Generator().manual_seed(rows * 1000 + shape[0])
+    n, k = shape
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    for bias in (None, b):
+        y = kernels.linear(x, w, bias)
+        assert y is not None and y.dtype == dtype and y.shape == (rows, n)
+        ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        once = (x.float() @ w.float().T + (0 if bias is None else bias.float())).to(dtype)
+        assert _rel_err(y, ref) <= max(1.01 * _rel_err(once, ref), 2e-6)
+
+
+@needs_kernel
+def test_several_threads_split_rows_exactly():
+    """Row ranges per thread cover every output once: same result with 1 and 2 threads, big enough to
+    wake the pool."""
+    w = torch.randn(4099, 512).to(torch.bfloat16)
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.linear(x, w)
+        torch.set_num_threads(2)
+        two = kernels.linear(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+    assert _rel_err(two, x.double() @ w.double().T) < 1e-2
+
+
+@needs_kernel
+def test_leading_dims_and_fallbacks():
+    w = torch.randn(64, 32)
+    x = torch.randn(2, 3, 32)
+    y = kernels.linear(x, w)
+    assert y.shape == (2, 3, 64)
+    assert torch.allclose(y, F.linear(x, w), atol=1e-5)
+    assert kernels.linear(torch.randn(17, 32), w) is None                  # more rows than the kernel takes
+    assert kernels.linear(x.to(torch.float64), w.to(torch.float64)) is None  # dtype it does not handle
+    assert kernels.linear(x.to(torch.bfloat16), w) is None                 # mixed dtypes
+    assert kernels.linear(torch.randn(1, 64), w.T) is None                 # non-contiguous weight
+    # dense.linear always answers, through whichever path applies
+    for xx in (torch.randn(1, 32), torch.randn(40, 32)):
+        assert torch.allclose(dense.linear(xx, w), F.linear(xx, w), atol=1e-5)
+
+
+def _status_in_subprocess(env: dict) -> str:
+    code = "from engine import kernels; print(kernels.status())"
+    full = {**os.environ, **env}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_disabled_by_environment(tmp_path):
+    out = _status_in_subprocess({"SLIPSTREAM_CPU_KERNEL": "torch", "SLIPSTREAM_KERNEL_CACHE": str(tmp_path)})
+    assert out == "torch (disabled by SLIPSTREAM_CPU_KERNEL)"
+
+
+def test_without_a_compiler_falls_back_with_a_reason(tmp_path):
+    out = _status_in_subprocess({"CC": "", "PATH": str(tmp_path), "SLIPSTREAM_KERNEL_CACHE": str(tmp_path)})
+    assert out.startswith("torch (") and "compiler" in out
