@@ -11,7 +11,7 @@ Random weights of the named shape; the budget is the engine's own VRAM accountin
     turn's `match_prefix` finds them in the host tier and copies them back, as a chat that returns to an
     older conversation does.
 After every restore the next token's logits are computed and compared with those computed before the
-move (they must be equal bit for bit). Medians of --reps runs; the first offload (which also allocates the
+move (they must be equal bit for bit). `--kv-dtype fp8` measures the fp8 cache. Medians of --reps runs; the first offload (which also allocates the
 pinned host chunks) is reported apart. Writes kv_restore.json under --out.
 """
 
@@ -34,14 +34,15 @@ TINY = ModelConfig(arch="llama", vocab_size=512, hidden_size=128, intermediate_s
                    dtype="float32")
 
 
-def open_engine(shape: str, device: str, budget, tokens: int, host_gib: float):
+def open_engine(shape: str, device: str, budget, tokens: int, host_gib: float, kv_dtype: str | None = None):
     from engine.backends.torch_engine import TorchEngine
     from engine.bench.shapes import get_shape
     from engine.loading.random_init import random_model
 
     cfg = TINY if shape == "tiny" else get_shape(shape)
     eng = TorchEngine(random_model(cfg, seed=0, name=shape), device=device, vram_budget=budget,
-                      n_ctx=tokens + 2 * BLOCK_SIZE, host_kv_gib=host_gib, speculative=False)
+                      n_ctx=tokens + 2 * BLOCK_SIZE, host_kv_gib=host_gib, speculative=False,
+                      kv_dtype=kv_dtype)
     eng._ensure_kv_capacity(tokens + BLOCK_SIZE)       # plan for the whole context from the start
     return eng
 
@@ -135,9 +136,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--host-gib", type=float, default=4.0)
+    ap.add_argument("--kv-dtype", default=None, choices=["fp8"], help="fp8: the e4m3 KV cache")
     ap.add_argument("--out", default="docs/benchmarks/gpu")
     args = ap.parse_args(argv)
-    eng = open_engine(args.shape, args.device, args.budget, args.tokens, args.host_gib)
+    eng = open_engine(args.shape, args.device, args.budget, args.tokens, args.host_gib, args.kv_dtype)
     try:
         res = measure(eng, args.tokens, args.reps)
     finally:
@@ -152,7 +154,8 @@ def main(argv=None) -> int:
         print(f"  {name:28s} {ms:10.2f} ms")
     print(f"  restore {res['restore_gbps']:.1f} GB/s, {res['restore_speedup_vs_recompute']:.1f}x faster than "
           f"recompute; logits identical after restore: {res['logits_identical_after_restore']}")
-    payload = {"shape": args.shape, "device": args.device, "budget": args.budget, **res}
+    payload = {"shape": args.shape, "device": args.device, "budget": args.budget,
+               "kv_dtype": args.kv_dtype or "model", **res}
     path = write_report(Path(args.out), "kv_restore", payload,
                         " ".join(["python -m engine.bench.kv_restore"] + (argv or sys.argv[1:])))
     print(f"wrote {path}")

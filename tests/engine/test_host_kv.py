@@ -272,17 +272,27 @@ def test_budget_drop_moves_cached_blocks_to_host_and_they_come_back(tiny_model):
     eng.close()
 
 
-def test_budget_drop_mid_generation_keeps_the_tokens(tiny_model):
+def test_budget_drop_mid_generation_moves_the_running_sequence_below_the_cut(tiny_model):
     path = tiny_model("llama")
     eng = open_gpu_side(path, "gpu_only")
-    want = greedy(engine.open_model(path, device="cpu", backend="torch", speculative=False), CONVO_B, n=30)
-    high = eng.budget
-    got = []
-    for i, ev in enumerate(eng.generate(CONVO_B, max_new_tokens=30)):
+    ref = engine.open_model(path, device="cpu", backend="torch", speculative=False, host_kv_gib=0)
+    want_a, want_b = greedy(ref, LONG_A, n=4), greedy(ref, "x y z", n=30)
+    assert greedy(eng, LONG_A, n=4) == want_a       # A's blocks take the low ids, cached
+    kv, high = eng.executor.kv, eng.budget
+    blocks_before = kv.n_blocks
+    got, cut_to = [], None
+    for i, ev in enumerate(eng.generate("x y z", max_new_tokens=30)):
         got.append(ev.token_id)
-        if i in (5, 17):
-            eng.set_vram_budget(high * 3 // 4 if i == 5 else high)
-    assert got == want
+        if i == 3:
+            assert min(kv.refs) >= 4                # the running sequence sits above the coming cut
+            eng.set_vram_budget(high * 3 // 4)      # this thread holds the (reentrant) lock: applied now
+            cut_to = kv.n_blocks
+            assert max(kv.refs) < cut_to
+        if i == 17:
+            eng.set_vram_budget(high)
+    assert cut_to < blocks_before and got == want_b
+    assert eng.stats()["host_kv_blocks"] > 0
+    assert greedy(eng, LONG_A, n=4) == want_a and eng.stats()["host_kv_hits"] > 0
 
 
 def test_host_kv_option(tiny_model):
