@@ -27,6 +27,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 DEFAULT_CONTEXT = 8192
 SIM_DEFAULT_BUDGET = 1 << 40     # "sim" without a budget: a notional GPU with room for everything
 INITIAL_KV_TOKENS = 2048
+KV_CUT_FLOOR_TOKENS = 64  # a budget drop cuts the KV capacity to twice the tokens in use, never below this
 SPEC_TOKENS = 6           # most tokens an n-gram proposal adds to a step
 SPEC_MAX_COST = 1.3       # speculate when a step of SPEC_TOKENS + 1 tokens is predicted under 1.3x one
 
@@ -56,7 +57,8 @@ class TorchEngine(Engine):
 
     def __init__(self, path, *, device: str = "auto", vram_budget=None, n_ctx: int | None = None,
                  tiers: tuple[int, ...] = DEFAULT_TIERS, kind: str = "auto", profile=None,
-                 progress=None, speculative: bool | None = None, kv_dtype: str | None = None):
+                 progress=None, speculative: bool | None = None, kv_dtype: str | None = None,
+                 host_kv_gib: float | None = None):
         super().__init__()
         from engine.loading import LoadedModel, load_model
         from engine.sharding.device import Accelerator
@@ -98,6 +100,7 @@ class TorchEngine(Engine):
             self.accel = Accelerator("sim" if self.device == "sim" else "cuda", index)
         report(0.6, "packing weights into host memory")
         self.executor = Executor(cfg, loaded.weights, self.accel, self.dtype, kv_fp8=kv_dtype == "fp8")
+        self._set_host_kv(host_kv_gib)
         if self.vision is not None:
             from engine.models.vision import MRotaryTable
 
@@ -121,6 +124,23 @@ class TorchEngine(Engine):
             self.force_plan(kind)
         self._set_budget_now(self._initial_budget(vram_budget), "open")
         report(1.0, "ready")
+
+    def _set_host_kv(self, gib) -> None:
+        """Cap of the host-RAM KV tier (blocks leaving VRAM are kept there); None: the default (4 GiB,
+        or a quarter of the free RAM if less)."""
+        if gib is None:
+            return
+        if isinstance(gib, bool) or not isinstance(gib, (int, float)) or not gib >= 0:
+            raise BadInputError(f"host_kv_gib={gib!r}: expected a number of GiB, 0 or more")
+        self.executor.kv.set_host_capacity(int(gib * (1 << 30)))
+
+    def _cut_kv_to_use(self) -> None:
+        """On a budget drop the KV capacity falls back to what the sequences in use need (twice that, the
+        growth rule); cached blocks past it go to the host-RAM tier, to come back by copy when wanted."""
+        kv = self.executor.kv
+        need = 2 * kv.blocks_in_use() * BLOCK_SIZE
+        self.kv_tokens = min(self.kv_tokens, self._kv_capacity(max(need, KV_CUT_FLOOR_TOKENS)))
+        kv.shrink(self.kv_tokens // BLOCK_SIZE)
 
     # ---- budget and plans ----------------------------------------------------------------------
     def _kv_capacity(self, tokens: int) -> int:
@@ -164,8 +184,10 @@ class TorchEngine(Engine):
         sub-layer boundary of the running step)."""
         t0 = time.perf_counter()
         room = budget if self.accel is None else self.accel.usable(budget)   # less the process overhead
-        planset = self._make_planset(room)
         shrinking = self.accel is not None and room < self.accel.budget
+        if shrinking:
+            self._cut_kv_to_use()
+        planset = self._make_planset(room)
         if self.accel is not None and not shrinking:
             self.accel.budget = room
         self.planset = planset
@@ -241,6 +263,7 @@ class TorchEngine(Engine):
                  prefix_hit_tokens=kv.prefix_stats["hit_tokens"],
                  prefix_hit_rate=kv.prefix_stats["hit_tokens"] / max(kv.prefix_stats["prompt_tokens"], 1),
                  last_replan_ms=self.replans[-1]["replan_ms"] if self.replans else None)
+        s.update(kv.host_report())
         return s
 
     # ---- running steps -------------------------------------------------------------------------
@@ -311,7 +334,9 @@ class TorchEngine(Engine):
         try:
             sampler = Sampler(params)
             if vp is None:
-                # Blocks this prompt shares with an earlier one (the conversation so far) are reused.
+                # Blocks this prompt shares with an earlier one (the conversation so far) are reused,
+                # copied back from the host-RAM tier where they were moved out of VRAM.
+                self._ensure_kv_capacity(len(ids))
                 common = self.executor.kv.match_prefix(seq, ids)
                 logits = self._run(seq, ids[common:], False)[-1]
             else:

@@ -9,13 +9,24 @@ Prefix caching: a full block is known by the hash of (its parent block's hash, i
 that is released leaves its full blocks cached (reference count 0, least recently used first out); a new
 sequence whose tokens start the same way takes those blocks instead of recomputing them, so a new chat
 turn, or a return to an older conversation, only computes what is new.
+
+Host-RAM tier: blocks leaving VRAM are copied to host memory instead of being dropped, and come back by
+copy, not recompute. Cached blocks that a new allocation would take (least recently used first), blocks
+past a capacity cut (`shrink`, on a budget drop) and every block of a sequence set aside with `offload`
+go there; `match_prefix` finds cached blocks in either tier, and `restore` brings an offloaded sequence
+back. A host slot holds one block of every layer (pinned memory when the GPU is CUDA, so copies run at
+PCIe speed); the tier is allocated in chunks as it fills, up to a byte cap, and its unused cached slots
+go least recently used first. Layers whose attention runs on the CPU already keep their pool in host
+memory: their rows are copied host to host with the rest, so a block's id can be handed out again.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 
@@ -34,6 +45,11 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     rope_delta: int = 0             # rotary position = cache index + delta (M-RoPE after images)
     cacheable: bool = True          # False where token ids do not determine the KV (image embeddings)
+    host_slots: list[int] = field(default_factory=list)   # while offloaded: its blocks' host-tier slots
+
+    @property
+    def offloaded(self) -> bool:
+        return bool(self.host_slots)
 
 
 def block_hashes(token_ids: list[int]) -> list[int]:
@@ -81,8 +97,109 @@ class LayerPool:
         return 0 if self.parts is None else self.parts[0].shape[0]
 
 
+DEFAULT_HOST_KV_BYTES = 4 << 30   # host-tier cap unless set: 4 GiB, or a quarter of the free RAM if less
+HOST_CHUNK_BYTES = 64 << 20       # the host tier grows by chunks of about this size
+_ALIGN = 256
+
+
+def default_host_kv_bytes() -> int:
+    """4 GiB, or a quarter of the RAM available now where that is less."""
+    try:
+        import psutil
+
+        return min(DEFAULT_HOST_KV_BYTES, psutil.virtual_memory().available // 4)
+    except (ImportError, OSError, RuntimeError):   # psutil missing or unable to read it: the fixed default
+        return DEFAULT_HOST_KV_BYTES
+
+
+class HostTier:
+    """Host-memory slots, each holding one KV block of every layer (all parts: k, v and fp8 scales).
+
+    Slot s lives in chunk s // chunk_slots; a chunk is one flat buffer (pinned when `pin`) carved into a
+    [n, *block shape] view per layer and part, allocated when first needed, never more than `cap_bytes`
+    in all."""
+
+    def __init__(self, pools: list[LayerPool], cap_bytes: int, pin: bool):
+        self.specs = [p.part_specs() for p in pools]
+        self.part_bytes = [[math.prod(shape) * torch.tensor([], dtype=dt).element_size() for shape, dt in specs]
+                           for specs in self.specs]
+        self.slot_bytes = sum(map(sum, self.part_bytes))
+        self.pin = pin
+        self.chunks: list[tuple[torch.Tensor, list[list[torch.Tensor]]]] = []
+        self.free: list[int] = []
+        self.set_cap(cap_bytes)
+
+    def set_cap(self, cap_bytes: int) -> None:
+        """Set the cap; only valid while nothing is allocated."""
+        assert not self.chunks
+        self.cap_bytes = max(int(cap_bytes), 0)
+        self.cap_slots = self.cap_bytes // self.slot_bytes if self.slot_bytes else 0
+        self.chunk_slots = max(1, min(HOST_CHUNK_BYTES // max(self.slot_bytes, 1), self.cap_slots))
+
+    @property
+    def allocated_slots(self) -> int:
+        return min(len(self.chunks) * self.chunk_slots, self.cap_slots)
+
+    @property
+    def allocated_bytes(self) -> int:
+        return sum(buf.numel() for buf, _ in self.chunks)
+
+    def room(self) -> int:
+        """Slots that can be taken without dropping anything."""
+        return len(self.free) + self.cap_slots - self.allocated_slots
+
+    def take(self) -> int | None:
+        if not self.free and self.allocated_slots < self.cap_slots:
+            self._add_chunk()
+        if not self.free:
+            return None
+        self.free.sort()          # lowest first: a sequence's slots stay contiguous (fewer, larger copies)
+        return self.free.pop(0)
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+    def _add_chunk(self) -> None:
+        first = self.allocated_slots
+        n = min(self.chunk_slots, self.cap_slots - first)
+        sizes = [-(-n * b // _ALIGN) * _ALIGN for layer in self.part_bytes for b in layer]
+        buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.pin)
+        views, off = [], 0
+        for specs in self.specs:
+            layer = []
+            for shape, dt in specs:
+                nbytes = n * math.prod(shape) * torch.tensor([], dtype=dt).element_size()
+                layer.append(buf[off:off + nbytes].view(dt).view(n, *shape))
+                off += -(-nbytes // _ALIGN) * _ALIGN
+            views.append(layer)
+        self.chunks.append((buf, views))
+        self.free.extend(range(first, first + n))
+
+    def rows(self, layer: int, slot: int, n: int) -> list[torch.Tensor]:
+        """Views of slots slot..slot+n-1 (in one chunk) of one layer, one per part."""
+        c, r = divmod(slot, self.chunk_slots)
+        return [v[r:r + n] for v in self.chunks[c][1][layer]]
+
+    def close(self) -> None:
+        self.chunks.clear()
+        self.free.clear()
+
+
+def _runs(pairs: list[tuple[int, int]], chunk: int) -> list[tuple[int, int, int]]:
+    """(block, slot) pairs as (first block, first slot, length) runs, consecutive on both sides and
+    within one host chunk, so a run is one copy per layer and part."""
+    out: list[list[int]] = []
+    for b, s in pairs:
+        if out and b == out[-1][0] + out[-1][2] and s == out[-1][1] + out[-1][2] and s // chunk == out[-1][1] // chunk:
+            out[-1][2] += 1
+        else:
+            out.append([b, s, 1])
+    return [tuple(r) for r in out]
+
+
 class PagedKVCache:
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, accel: Accelerator | None, fp8: bool = False):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, accel: Accelerator | None, fp8: bool = False,
+                 host_bytes: int | None = None):
         self.cfg = cfg
         self.accel = accel
         self.dtype = dtype
@@ -97,6 +214,22 @@ class PagedKVCache:
         self.prefix_stats = {"lookups": 0, "prompt_tokens": 0, "hit_tokens": 0}
         self._slot_memo: tuple = (None, None)
         self.block_bytes = self.pools[0].block_bytes() if self.pools else 0
+        # Host tier: slot -> chain hash (None: private to one offloaded sequence), sequences holding a
+        # slot, chain hash -> slot, and the cached slots no sequence holds (oldest first).
+        self._pinned = accel is not None and accel.kind == "cuda"
+        self.host = HostTier(self.pools, default_host_kv_bytes() if host_bytes is None else host_bytes,
+                             pin=self._pinned)
+        self.host_hash: dict[int, int | None] = {}
+        self.host_refs: dict[int, int] = {}
+        self.host_block_of: dict[int, int] = {}
+        self.host_lru: OrderedDict[int, None] = OrderedDict()
+        self.host_stats = {"spilled_blocks": 0, "offloaded_blocks": 0, "restored_blocks": 0,
+                           "hit_blocks": 0, "dropped_blocks": 0}
+        self._users: weakref.WeakValueDictionary[int, Sequence] = weakref.WeakValueDictionary()
+
+    def set_host_capacity(self, n_bytes: int) -> None:
+        """The host tier's cap in bytes (before anything was moved there)."""
+        self.host.set_cap(n_bytes)
 
     # ---- block allocation ----------------------------------------------------------------------
     def _grow(self, n_blocks: int) -> None:
@@ -129,41 +262,70 @@ class PagedKVCache:
         if old_bytes > new_bytes:
             self.accel.unbook(old_bytes - new_bytes, "kv")
 
-    def _take_block(self) -> int:
-        if not self.free_blocks and not self.evictable:
-            self._grow(self.n_blocks + 1)
-        if self.free_blocks:
-            self.free_blocks.sort()       # lowest ids first keeps a lone sequence's blocks contiguous
-            return self.free_blocks.pop(0)
-        block, _ = self.evictable.popitem(last=False)      # least recently used cached block
-        del self.block_of[self.hash_of.pop(block)]
-        return block
+    def _alloc_blocks(self, n: int) -> list[int]:
+        """`n` blocks for new contents: free ones first (lowest ids), then cached ones least recently
+        used first (moved to the host tier), growing every pool when even that is not enough."""
+        if n <= 0:
+            return []
+        spare = len(self.free_blocks) + len(self.evictable)
+        if spare < n:
+            self._grow(self.n_blocks + n - spare)
+        short = n - len(self.free_blocks)
+        if short > 0:
+            self._spill(list(islice(self.evictable, short)))
+        self.free_blocks.sort()       # lowest ids first keeps a lone sequence's blocks contiguous
+        out = self.free_blocks[:n]
+        del self.free_blocks[:n]
+        return out
 
+    @torch.inference_mode()
     def reserve(self, seq: Sequence, n_new: int) -> None:
         """Give `seq` blocks for `n_new` more tokens."""
+        if seq.host_slots:
+            self.restore(seq)
         need = -(-(seq.length + n_new) // BLOCK_SIZE) - len(seq.block_table)
         if need <= 0:
             return
-        spare = len(self.free_blocks) + len(self.evictable)
-        if spare < need:
-            self._grow(self.n_blocks + need - spare)
-        for _ in range(need):
-            block = self._take_block()
+        for block in self._alloc_blocks(need):
             self.refs[block] = 1
             seq.block_table.append(block)
+        self._users[id(seq)] = seq
 
+    @torch.inference_mode()
     def match_prefix(self, seq: Sequence, token_ids: list[int]) -> int:
         """Start an empty `seq` with the cached blocks of the longest cached prefix of `token_ids` (at
-        least one token is always left to compute). Returns the number of tokens reused."""
-        assert not seq.block_table
+        least one token is always left to compute), copying back those found in the host tier. Returns
+        the number of tokens reused."""
+        assert not seq.block_table and not seq.host_slots
         usable = (len(token_ids) - 1) // BLOCK_SIZE
-        for h in block_hashes(token_ids[:usable * BLOCK_SIZE]):
+        from_host: list[tuple[int, int, int]] = []           # (index in the table, host slot, hash)
+        hashes = block_hashes(token_ids[:usable * BLOCK_SIZE])
+        for h in hashes:
             block = self.block_of.get(h)
-            if block is None:
-                break
-            self.evictable.pop(block, None)
-            self.refs[block] = self.refs.get(block, 0) + 1
+            if block is not None:
+                self.evictable.pop(block, None)
+                self.refs[block] = self.refs.get(block, 0) + 1
+            else:
+                slot = self.host_block_of.get(h)
+                if slot is None:
+                    break
+                self._host_hold(slot)
+                from_host.append((len(seq.block_table), slot, h))
+                block = -1
             seq.block_table.append(block)
+        self._users[id(seq)] = seq
+        try:
+            blocks = self._alloc_blocks(len(from_host))
+        except BaseException:            # the pools could not grow: leave everything as it was
+            for _, slot, _ in from_host:
+                self._host_unhold(slot)
+            for block, h in zip(seq.block_table, hashes):
+                if block >= 0:
+                    self._drop(block, h)
+            seq.block_table = []
+            raise
+        self._copy_back([(i, slot, h, b) for (i, slot, h), b in zip(from_host, blocks)], seq)
+        self.host_stats["hit_blocks"] += len(from_host)
         seq.length = len(seq.block_table) * BLOCK_SIZE
         seq.token_ids = list(token_ids[:seq.length])
         self.prefix_stats["lookups"] += 1
@@ -188,6 +350,13 @@ class PagedKVCache:
     def truncate(self, seq: Sequence, length: int) -> None:
         """Keep the first `length` tokens of `seq`; blocks past them leave the sequence (full ones stay
         cached for a later sequence that starts the same way)."""
+        if seq.host_slots:
+            if length > 0:
+                self.restore(seq)
+            else:
+                for slot in seq.host_slots:
+                    self._host_unhold(slot)
+                seq.host_slots = []
         length = min(length, seq.length)
         keep = -(-length // BLOCK_SIZE)
         hashes = block_hashes(seq.token_ids[:seq.length]) if seq.cacheable else []
@@ -200,6 +369,178 @@ class PagedKVCache:
     def release(self, seq: Sequence) -> None:
         self.truncate(seq, 0)
 
+    def blocks_in_use(self) -> int:
+        return len(self.refs)
+
+    # ---- the host tier -------------------------------------------------------------------------
+    def _host_hold(self, slot: int) -> None:
+        self.host_lru.pop(slot, None)
+        self.host_refs[slot] = self.host_refs.get(slot, 0) + 1
+
+    def _host_unhold(self, slot: int) -> None:
+        """One offloaded sequence stops holding `slot`: a cached one joins the LRU, a private one is freed."""
+        self.host_refs[slot] -= 1
+        if self.host_refs[slot] > 0:
+            return
+        del self.host_refs[slot]
+        if self.host_hash[slot] is None:
+            del self.host_hash[slot]
+            self.host.give(slot)
+        else:
+            self.host_lru[slot] = None
+            self.host_lru.move_to_end(slot)
+
+    def _host_take(self, h: int | None) -> int | None:
+        """A host slot for a block of chain hash `h` (None: private): a free one, else the least
+        recently used cached one; None when every slot is held by an offloaded sequence."""
+        slot = self.host.take()
+        if slot is None and self.host_lru:
+            slot, _ = self.host_lru.popitem(last=False)
+            del self.host_block_of[self.host_hash.pop(slot)]
+            self.host_stats["dropped_blocks"] += 1
+        if slot is not None:
+            self.host_hash[slot] = h
+            if h is not None:
+                self.host_block_of[h] = slot
+        return slot
+
+    def _host_room(self, keep: set[int] = frozenset()) -> int:
+        """Host slots that can be taken, dropping cached ones but not those in `keep`."""
+        return self.host.room() + len(self.host_lru) - sum(1 for s in keep if s in self.host_lru)
+
+    def _copy(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """Copy (pool block, host slot) pairs, every layer, in runs. On CUDA the copies are queued on
+        the compute stream: whatever later reads or overwrites either side is ordered after them."""
+        for block, slot, n in _runs(pairs, self.host.chunk_slots):
+            for layer, pool in enumerate(self.pools):
+                nb = pool.on_gpu and self._pinned
+                for part, host in zip(pool.parts, self.host.rows(layer, slot, n)):
+                    if to_host:
+                        host.copy_(part[block:block + n], non_blocking=nb)
+                    else:
+                        part[block:block + n].copy_(host, non_blocking=nb)
+
+    def _spill(self, blocks: list[int]) -> None:
+        """Cached, unused blocks leave the pools: each goes to the host tier (unless it is there already
+        or the tier is full of held slots) and its id becomes free."""
+        pairs = []
+        for block in blocks:
+            del self.evictable[block]
+            h = self.hash_of.pop(block)
+            del self.block_of[h]
+            self.free_blocks.append(block)
+            slot = self.host_block_of.get(h)
+            if slot is not None:
+                if slot in self.host_lru:
+                    self.host_lru.move_to_end(slot)
+                continue
+            slot = self._host_take(h)
+            if slot is not None:
+                self.host_lru[slot] = None
+                pairs.append((block, slot))
+        self._copy(pairs, to_host=True)
+        self.host_stats["spilled_blocks"] += len(pairs)
+
+    def _copy_back(self, items: list[tuple[int, int, int | None, int]], seq: Sequence) -> None:
+        """(index in seq's table, host slot, hash, new block): copy each slot into its block, put the
+        block in the table (known by its hash to later lookups) and let the slot go."""
+        for i, slot, h, block in items:
+            self.refs[block] = 1
+            seq.block_table[i] = block
+            if h is not None and h not in self.block_of:
+                self.hash_of[block], self.block_of[h] = h, block
+        self._copy([(block, slot) for _, slot, _, block in items], to_host=False)
+        for _, slot, _, _ in items:
+            self._host_unhold(slot)
+        self.host_stats["restored_blocks"] += len(items)
+
+    @torch.inference_mode()
+    def offload(self, seq: Sequence) -> bool:
+        """Move every block of `seq` to the host tier and free its pool blocks (its tokens and length
+        stay; `restore` or the next `reserve` brings the KV back bit for bit). Blocks whose chain hash is
+        in the tier already are shared, not copied again. Returns False, changing nothing, when the tier
+        has no room for them."""
+        if seq.host_slots or not seq.block_table:
+            return True
+        hashes = block_hashes(seq.token_ids[:seq.length]) if seq.cacheable else []
+        plan = [(b, hashes[i] if i < len(hashes) else None) for i, b in enumerate(seq.block_table)]
+        known = {self.host_block_of[h] for _, h in plan if h in self.host_block_of}
+        if self._host_room(known) < sum(1 for _, h in plan if h not in self.host_block_of):
+            return False
+        for slot in known:            # held first, so that taking new slots cannot drop them
+            self._host_hold(slot)
+        slots, pairs = [], []
+        for block, h in plan:
+            slot = self.host_block_of.get(h) if h is not None else None
+            if slot is None:
+                slot = self._host_take(h)
+                self._host_hold(slot)
+                pairs.append((block, slot))
+            slots.append(slot)
+        self._copy(pairs, to_host=True)
+        for block, _ in plan:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                del self.refs[block]
+                if block in self.hash_of:
+                    del self.block_of[self.hash_of.pop(block)]
+                self.free_blocks.append(block)
+        seq.block_table, seq.host_slots = [], slots
+        self.host_stats["offloaded_blocks"] += len(pairs)
+        return True
+
+    @torch.inference_mode()
+    def restore(self, seq: Sequence) -> None:
+        """Bring an offloaded `seq` back into the pools: blocks still cached there are taken as they are,
+        the rest are copied from the host tier."""
+        if not seq.host_slots:
+            return
+        slots = seq.host_slots
+        table: list[int] = []
+        items, in_pool = [], []
+        for i, slot in enumerate(slots):
+            h = self.host_hash[slot]
+            block = self.block_of.get(h) if h is not None else None
+            if block is not None:
+                self.evictable.pop(block, None)
+                self.refs[block] = self.refs.get(block, 0) + 1
+                in_pool.append(slot)
+            else:
+                items.append((i, slot, h))
+                block = -1
+            table.append(block)
+        try:
+            blocks = self._alloc_blocks(len(items))
+        except BaseException:
+            for block, slot in zip(table, slots):
+                if block >= 0:
+                    self._drop(block, self.host_hash[slot])
+            raise
+        seq.block_table, seq.host_slots = table, []
+        self._users[id(seq)] = seq
+        self._copy_back([(i, slot, h, b) for (i, slot, h), b in zip(items, blocks)], seq)
+        for slot in in_pool:
+            self._host_unhold(slot)
+
+    @torch.inference_mode()
+    def evict_cached(self, n: int | None = None) -> int:
+        """Move the `n` least recently used cached blocks (all by default) out of the pools into the host
+        tier; their pool blocks become free. Returns how many left the pools."""
+        victims = list(islice(self.evictable, n))
+        self._spill(victims)
+        return len(victims)
+
+    def host_report(self) -> dict:
+        """Host-tier figures for `stats()`."""
+        held = len(self.host_hash)
+        return {"host_kv_bytes": held * self.host.slot_bytes,
+                "host_kv_allocated_bytes": self.host.allocated_bytes,
+                "host_kv_cap_bytes": self.host.cap_bytes,
+                "host_kv_blocks": held, "host_kv_hits": self.host_stats["hit_blocks"],
+                "host_kv_restores": self.host_stats["restored_blocks"],
+                "host_kv_offloads": self.host_stats["offloaded_blocks"] + self.host_stats["spilled_blocks"],
+                "host_kv_dropped": self.host_stats["dropped_blocks"]}
+
     # ---- placement -----------------------------------------------------------------------------
     def place_layer(self, layer: int, on_gpu: bool) -> None:
         pool = self.pools[layer]
@@ -210,12 +551,47 @@ class PagedKVCache:
     def gpu_bytes(self) -> int:
         return sum(p.capacity * p.block_bytes() for p in self.pools if p.on_gpu)
 
+    @torch.inference_mode()
+    def shrink(self, n_blocks: int) -> None:
+        """Cut every pool to `n_blocks` blocks (never below the blocks in use): cached blocks past the cut,
+        and as many of the oldest others as the in-use blocks past the cut need room for, go to the host
+        tier; in-use blocks past the cut move below it (every sequence's table follows)."""
+        target = max(n_blocks, len(self.refs))
+        if target >= self.n_blocks:
+            return
+        above = sorted(b for b in self.refs if b >= target)
+        free_below = sum(1 for b in self.free_blocks if b < target)
+        cached_below = [b for b in self.evictable if b < target]
+        self._spill([b for b in self.evictable if b >= target] + cached_below[:max(0, len(above) - free_below)])
+        dest = sorted(b for b in self.free_blocks if b < target)[:len(above)]
+        moved = dict(zip(above, dest))
+        for src, dst in moved.items():
+            for pool in self.pools:
+                for part in pool.parts:
+                    part[dst].copy_(part[src])
+            self.refs[dst] = self.refs.pop(src)
+            if src in self.hash_of:
+                h = self.hash_of.pop(src)
+                self.hash_of[dst], self.block_of[h] = h, dst
+        if moved:
+            for seq in list(self._users.values()):
+                seq.block_table = [moved.get(b, b) for b in seq.block_table]
+        taken = set(dest)
+        self.free_blocks = [b for b in self.free_blocks if b < target and b not in taken]
+        for i, pool in enumerate(self.pools):
+            self._resize(i, pool, target, pool.on_gpu)
+        self.n_blocks = target
+
     def forget_cached(self) -> None:
-        """Drop every cached (unused) block: they become free blocks."""
+        """Drop every cached (unused) block, in the pools and in the host tier."""
         for block in list(self.evictable):
             del self.block_of[self.hash_of.pop(block)]
             self.free_blocks.append(block)
         self.evictable.clear()
+        for slot in list(self.host_lru):
+            del self.host_block_of[self.host_hash.pop(slot)]
+            self.host.give(slot)
+        self.host_lru.clear()
 
     # ---- reads and writes ----------------------------------------------------------------------
     def write(self, layer: int, seq: Sequence, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -267,3 +643,7 @@ class PagedKVCache:
             pool.on_gpu = False
         self.free_blocks, self.n_blocks = [], 0
         self.refs.clear(), self.hash_of.clear(), self.block_of.clear(), self.evictable.clear()
+        if self._pinned:
+            torch.cuda.synchronize(self.accel.device)     # no queued copy may still use a host chunk
+        self.host.close()
+        self.host_hash.clear(), self.host_refs.clear(), self.host_block_of.clear(), self.host_lru.clear()

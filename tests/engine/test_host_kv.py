@@ -1,0 +1,305 @@
+"""The host-RAM KV tier: blocks leaving VRAM are kept in host memory and come back by copy, bit for bit.
+
+Unit tests drive `PagedKVCache` directly (offload/restore, the cap and its LRU order, fp8 parts, layers
+whose pool is in host memory); engine tests switch back to a conversation whose blocks were moved out of
+VRAM (by a capacity cut or a budget drop) and check the logits are exactly those computed from the same
+blocks still in VRAM, and the greedy tokens those of an engine that recomputes everything.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine
+from engine.config import ModelConfig
+from engine.errors import BadInputError
+from engine.sharding.device import Accelerator
+from engine.sharding.kvcache import BLOCK_SIZE, PagedKVCache, Sequence, block_hashes
+from tests.engine.tiny_plans import TIERS, slow_cpu_profile, third_of_weights
+
+CFG = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def make_cache(fp8=False, host_blocks=64, gpu_layers=(0, 1, 2), accel=True) -> PagedKVCache:
+    acc = None
+    if accel:
+        acc = Accelerator("sim")
+        acc.budget = 1 << 30
+    kv = PagedKVCache(CFG, torch.float32, acc, fp8=fp8, host_bytes=0)
+    kv.set_host_capacity(host_blocks * kv.host.slot_bytes)
+    kv._grow(8)
+    for layer in gpu_layers if accel else ():
+        kv.place_layer(layer, True)
+    return kv
+
+
+def fill(kv: PagedKVCache, seq: Sequence, ids: list[int], seed: int) -> None:
+    """Append `ids` to `seq` with random keys and values in every layer (as a forward step would)."""
+    g = torch.Generator().manual_seed(seed)
+    kv.reserve(seq, len(ids))
+    for layer in range(CFG.num_layers):
+        k, v = (torch.randn(CFG.num_kv_heads, len(ids), CFG.head_dim, generator=g) for _ in range(2))
+        with torch.inference_mode():
+            kv.write(layer, seq, seq.length, k, v)
+    seq.length += len(ids)
+    seq.token_ids.extend(ids)
+
+
+def contents(kv: PagedKVCache, seq: Sequence) -> list[torch.Tensor]:
+    return [t.clone() for layer in range(CFG.num_layers) for t in kv.read(layer, seq, seq.length)]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-like", "fp8"])
+@pytest.mark.parametrize("gpu_layers", [(0, 1, 2), (1,), ()], ids=["all-gpu", "mixed", "all-host"])
+def test_offload_restore_is_bit_identical(fp8, gpu_layers):
+    kv = make_cache(fp8=fp8, gpu_layers=gpu_layers)
+    seq, seq_ids = Sequence(), list(range(3 * BLOCK_SIZE + 5))
+    fill(kv, seq, seq_ids, seed=1)                              # three full blocks and a partial one
+    want = contents(kv, seq)
+    assert kv.offload(seq)
+    assert seq.offloaded and not seq.block_table and not kv.refs
+    assert len(kv.free_blocks) == kv.n_blocks                   # every pool block is free again
+    assert kv.host_report()["host_kv_bytes"] == 4 * kv.host.slot_bytes
+    other = Sequence()                                          # reuses (overwrites) the freed blocks
+    fill(kv, other, [60] * (kv.n_blocks * BLOCK_SIZE), seed=2)
+    kv.release(other)
+    kv.restore(seq)
+    assert not seq.offloaded and len(seq.block_table) == 4 and seq.length == 3 * BLOCK_SIZE + 5
+    assert same(contents(kv, seq), want)
+    assert kv.host_report()["host_kv_restores"] >= 4 - 3        # cached full blocks may be taken as they are
+    # The sequence goes on growing after its restore; the full blocks' host copies stay cached.
+    fill(kv, seq, [1, 2, 3], seed=3)
+    assert seq.length == 3 * BLOCK_SIZE + 8
+    kv.release(seq)
+    assert set(kv.host_hash) == set(kv.host_lru) and not kv.host_refs
+    assert set(block_hashes(seq_ids)) <= set(kv.host_block_of)
+
+
+def test_reserve_restores_an_offloaded_sequence_and_release_frees_its_slots():
+    kv = make_cache()
+    seq = Sequence(cacheable=False)                             # no hashes: every slot is private
+    fill(kv, seq, list(range(2 * BLOCK_SIZE)), seed=4)
+    want = contents(kv, seq)
+    assert kv.offload(seq) and len(kv.host_hash) == 2 and not kv.host_lru
+    fill(kv, seq, [9], seed=5)                                  # the next step brings it back first
+    assert not seq.offloaded and same([t[:, :2 * BLOCK_SIZE] for t in contents(kv, seq)], want)
+    assert kv.offload(seq)
+    kv.release(seq)                                             # never restored: its slots are freed
+    assert not kv.host_hash and not seq.offloaded and kv.host.room() == kv.host.cap_slots
+
+
+def test_match_prefix_finds_blocks_in_the_host_tier():
+    kv = make_cache()
+    ids = list(range(4 * BLOCK_SIZE))
+    a = Sequence()
+    fill(kv, a, ids, seed=6)
+    want = contents(kv, a)
+    kv.release(a)                               # four cached blocks in the pools
+    kv.shrink(0)                                # a capacity cut: all of them go to the host tier
+    assert kv.n_blocks == 0 and len(kv.host_block_of) == 4 and not kv.block_of
+    b = Sequence()
+    assert kv.match_prefix(b, ids + [7]) == 4 * BLOCK_SIZE
+    assert kv.host_report()["host_kv_hits"] == 4 and kv.host_report()["host_kv_restores"] == 4
+    assert same(contents(kv, b), want)
+    kv.release(b)
+    # Part in the pools, part on the host: the chain is followed across both tiers.
+    c = Sequence()
+    kv.match_prefix(c, ids[:2 * BLOCK_SIZE] + [1])
+    kv.release(c)
+    assert kv.match_prefix(Sequence(), ids + [7]) == 4 * BLOCK_SIZE
+
+
+def test_the_cap_is_kept_and_the_least_recently_used_go_first():
+    kv = make_cache(host_blocks=3)
+    prompts = [[p] * (2 * BLOCK_SIZE) for p in range(4)]        # 4 prompts of 2 full blocks each
+    name = {h: f"p{p}.{i}" for p, ids in enumerate(prompts) for i, h in enumerate(block_hashes(ids))}
+    name[block_hashes([50] * BLOCK_SIZE)[0]] = "f.0"
+
+    def lru():
+        return [name[kv.host_hash[s]] for s in kv.host_lru]
+
+    for p, ids in enumerate(prompts):
+        seq = Sequence()
+        fill(kv, seq, ids, seed=10 + p)
+        kv.release(seq)          # a released sequence's blocks are cached tail first, so heads last longer
+    kv.shrink(0)                 # spills the 8 cached blocks, oldest first, through a 3-slot tier
+    assert lru() == ["p2.0", "p3.1", "p3.0"]
+    assert kv.host.allocated_bytes <= kv.host.cap_bytes and kv.host_report()["host_kv_dropped"] == 5
+    # Hits make slots the most recently used; the next spill drops the least recently used one.
+    for ids, hit in ((prompts[3], 2), (prompts[2], 1)):
+        seq = Sequence()
+        assert kv.match_prefix(seq, ids + [0]) == hit * BLOCK_SIZE
+        kv.release(seq)
+    assert lru() == ["p3.0", "p3.1", "p2.0"]
+    kv.shrink(0)                 # the pools' copies were cached tail first: the tier's LRU follows
+    assert lru() == ["p3.1", "p3.0", "p2.0"]
+    fresh = Sequence()
+    fill(kv, fresh, [50] * BLOCK_SIZE, seed=20)
+    kv.release(fresh)
+    kv.shrink(0)
+    assert lru() == ["p3.0", "p2.0", "f.0"]
+    assert len(kv.host_hash) == 3 and kv.host.allocated_bytes <= kv.host.cap_bytes
+
+
+def test_offload_refuses_when_the_tier_is_full_of_held_blocks():
+    kv = make_cache(host_blocks=2)
+    a, b = Sequence(cacheable=False), Sequence(cacheable=False)
+    fill(kv, a, list(range(2 * BLOCK_SIZE)), seed=30)
+    fill(kv, b, list(range(BLOCK_SIZE)), seed=31)
+    assert kv.offload(a)
+    want = contents(kv, b)
+    assert not kv.offload(b)                                    # nothing changes
+    assert not b.offloaded and same(contents(kv, b), want)
+    kv.restore(a)
+    assert kv.offload(b)
+
+
+def test_shrink_moves_blocks_in_use_below_the_cut():
+    kv = make_cache()
+    filler, seq = Sequence(), Sequence()
+    fill(kv, filler, [1] * (5 * BLOCK_SIZE), seed=40)
+    fill(kv, seq, list(range(2 * BLOCK_SIZE + 3)), seed=41)     # blocks 5, 6, 7
+    want = contents(kv, seq)
+    kv.release(filler)
+    kv.shrink(3)
+    assert kv.n_blocks == 3 and sorted(seq.block_table) == [0, 1, 2]
+    assert same(contents(kv, seq), want)
+    assert all(p.capacity == 3 for p in kv.pools)
+
+
+def test_host_tier_without_an_accelerator():
+    kv = make_cache(accel=False)
+    seq = Sequence()
+    fill(kv, seq, list(range(BLOCK_SIZE + 1)), seed=50)
+    want = contents(kv, seq)
+    assert kv.offload(seq)
+    kv.restore(seq)
+    assert same(contents(kv, seq), want)
+
+
+# ---- the engine ---------------------------------------------------------------------------------
+CONVO_A = "tell me about the blue river and the old mill by the hill " * 2
+LONG_A = CONVO_A * 2
+CONVO_B = "a completely different story about seven red foxes in winter " * 2
+
+
+def prefix_logits(eng, ids: list[int]) -> tuple[int, torch.Tensor]:
+    """Logits of the tokens of `ids` past its cached prefix, computed as a chat turn is."""
+    kv = eng.executor.kv
+    seq = Sequence()
+    with torch.inference_mode(), eng._lock:
+        eng._ensure_kv_capacity(len(ids))
+        common = kv.match_prefix(seq, ids)
+        try:
+            return common, eng._run(seq, ids[common:], True)
+        finally:
+            kv.release(seq)
+
+
+def greedy(eng, prompt, n=10) -> list[int]:
+    return [e.token_id for e in eng.generate(prompt, max_new_tokens=n)]
+
+
+def open_gpu_side(path, kind, **kw):
+    eng = engine.open_model(path, device="sim", backend="torch", tiers=TIERS, profile=slow_cpu_profile(),
+                            speculative=False, **kw)
+    eng.set_vram_budget(third_of_weights(eng) * 2)
+    eng.force_plan(kind)
+    attn = [p for t in eng.plan_report()["tiers"] for n, p in t["placement"].items() if n.endswith(".attn")]
+    assert any(p != "cpu" for p in attn), kind
+    return eng
+
+
+@pytest.mark.parametrize("setup", ["cpu", "sim-gpu_only", "sim-static", "sim-dynamic", "sim-fp8"])
+def test_switching_back_restores_from_host_with_identical_logits(tiny_model, setup):
+    path = tiny_model("qwen3")
+    if setup == "cpu":
+        eng = engine.open_model(path, device="cpu", backend="torch", speculative=False)
+    else:
+        kind = "gpu_only" if setup == "sim-fp8" else setup.split("-")[1]
+        eng = open_gpu_side(path, kind, kv_dtype="fp8" if setup == "sim-fp8" else None)
+    ref = engine.open_model(path, device="cpu", backend="torch", speculative=False,
+                            kv_dtype="fp8" if setup == "sim-fp8" else None, host_kv_gib=0)
+    ids_a = eng.encode_prompt(CONVO_A)
+    ids_b = eng.encode_prompt(CONVO_B)
+    turn = ids_a + ids_b[:5]
+    want = greedy(ref, CONVO_A)
+    assert greedy(eng, CONVO_A) == want                         # conversation A's blocks are cached
+    common, in_vram = prefix_logits(eng, turn)                  # its next turn, from blocks in VRAM
+    assert common >= BLOCK_SIZE
+    greedy(eng, CONVO_B)
+    kv = eng.executor.kv
+    kv.shrink(0)                                                # everything unused leaves the pools
+    assert kv.n_blocks == 0 and eng.stats()["host_kv_blocks"] > 0
+    hits = eng.stats()["host_kv_hits"]
+    again, from_host = prefix_logits(eng, turn)                 # back to A: copied, not recomputed
+    assert again == common and eng.stats()["host_kv_hits"] - hits == common // BLOCK_SIZE
+    assert torch.equal(in_vram, from_host)
+    kv.shrink(0)
+    assert greedy(eng, CONVO_A) == want
+    assert eng.stats()["host_kv_restores"] > 0
+    eng.close()
+
+
+def test_budget_drop_moves_cached_blocks_to_host_and_they_come_back(tiny_model):
+    path = tiny_model("llama")
+    eng = open_gpu_side(path, "gpu_only")
+    ref = engine.open_model(path, device="cpu", backend="torch", speculative=False, host_kv_gib=0)
+    high = eng.budget
+    want = greedy(ref, LONG_A, n=20)
+    assert greedy(eng, LONG_A, n=20) == want
+    ids = eng.encode_prompt(LONG_A)
+    _, in_vram = prefix_logits(eng, ids)
+    kv_before = eng.accel.used["kv"]
+    blocks_before = eng.executor.kv.n_blocks
+    cached = [h for h in block_hashes(ids) if h in eng.executor.kv.block_of]
+    eng.set_vram_budget(high * 3 // 4)                          # the game starts: the idle chat's KV moves out
+    st = eng.stats()
+    assert eng.executor.kv.n_blocks < blocks_before and eng.accel.used["kv"] < kv_before
+    kv = eng.executor.kv
+    assert all((h in kv.block_of) != (h in kv.host_block_of) for h in cached)  # in the pools or on the host
+    assert st["host_kv_blocks"] >= len(cached) - kv.n_blocks and st["host_kv_bytes"] > 0
+    _, from_host = prefix_logits(eng, ids)
+    assert torch.equal(in_vram, from_host)
+    assert eng.stats()["host_kv_hits"] > 0
+    assert greedy(eng, LONG_A, n=20) == want
+    eng.close()
+
+
+def test_budget_drop_mid_generation_moves_the_running_sequence_below_the_cut(tiny_model):
+    path = tiny_model("llama")
+    eng = open_gpu_side(path, "gpu_only")
+    ref = engine.open_model(path, device="cpu", backend="torch", speculative=False, host_kv_gib=0)
+    want_a, want_b = greedy(ref, LONG_A, n=4), greedy(ref, "x y z", n=30)
+    assert greedy(eng, LONG_A, n=4) == want_a       # A's blocks take the low ids, cached
+    kv, high = eng.executor.kv, eng.budget
+    blocks_before = kv.n_blocks
+    got, cut_to = [], None
+    for i, ev in enumerate(eng.generate("x y z", max_new_tokens=30)):
+        got.append(ev.token_id)
+        if i == 3:
+            assert min(kv.refs) >= 4                # the running sequence sits above the coming cut
+            eng.set_vram_budget(high * 3 // 4)      # this thread holds the (reentrant) lock: applied now
+            cut_to = kv.n_blocks
+            assert max(kv.refs) < cut_to
+        if i == 17:
+            eng.set_vram_budget(high)
+    assert cut_to < blocks_before and got == want_b
+    assert eng.stats()["host_kv_blocks"] > 0
+    assert greedy(eng, LONG_A, n=4) == want_a and eng.stats()["host_kv_hits"] > 0
+
+
+def test_host_kv_option(tiny_model):
+    path = tiny_model("llama")
+    eng = engine.open_model(path, device="sim", backend="torch", host_kv_gib=0.5)
+    assert eng.stats()["host_kv_cap_bytes"] == 1 << 29
+    assert eng.stats()["host_kv_bytes"] == 0
+    eng.close()
+    with pytest.raises(BadInputError, match="host_kv_gib"):
+        engine.open_model(path, device="sim", backend="torch", host_kv_gib=-1)
