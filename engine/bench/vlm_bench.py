@@ -74,7 +74,7 @@ def write_config(shape: str, folder: Path) -> Path:
     cfg = Qwen2_5_VLConfig(text_config=dict(text), vision_config=dict(vision), image_token_id=SPECIALS["<|image_pad|>"],
                            video_token_id=SPECIALS["<|video_pad|>"], vision_start_token_id=SPECIALS["<|vision_start|>"],
                            vision_end_token_id=SPECIALS["<|vision_end|>"], tie_word_embeddings=False)
-    cfg.torch_dtype = "bfloat16"
+    cfg.dtype = "bfloat16"
     folder.mkdir(parents=True, exist_ok=True)
     cfg.to_json_file(str(folder / "config.json"))
     pre = {**pixels, "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "image_processor_type": "Qwen2VLImageProcessor"}
