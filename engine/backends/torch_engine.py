@@ -69,14 +69,17 @@ class TorchEngine(Engine):
         report(0.05, "reading the model")
         self.vision = self.vision_weights = None
         self._vision_prompts: dict[int, object] = {}
+        from engine.loading.hf_vision import LoadedVLModel
+
         if isinstance(path, LoadedModel):
             loaded = path
-        elif _is_vl_folder(path):
+        elif isinstance(path, LoadedVLModel) or _is_vl_folder(path):
             from engine.loading.hf_vision import load_hf_vl
 
-            vl = load_hf_vl(Path(path))
+            vl = path if isinstance(path, LoadedVLModel) else load_hf_vl(Path(path))
             loaded = LoadedModel(vl.config, vl.weights, vl.tokenizer, vl.source, "hf", vl.config.dtype)
             self.vision, self.vision_weights = vl.vision, vl.vision_weights
+            del vl
         else:
             loaded = load_model(path)
         self.source = str(loaded.source)
@@ -103,9 +106,13 @@ class TorchEngine(Engine):
         self._set_host_kv(host_kv_gib)
         if self.vision is not None:
             from engine.models.vision import MRotaryTable
+            from engine.models.vision.vision_pass import VisionPass
 
             self.executor.rope = MRotaryTable(cfg.head_dim, cfg.rope_theta, self.vision.mrope_section)
             self.supports_images = True
+            # The tower's weights stay in (pinned) host memory, packed per block; passes stream them.
+            self.vision_pass = VisionPass(self.vision, self.vision_weights, self.accel, self.dtype)
+            self.vision_weights = self.vision_pass.host_weights
         del loaded
         report(0.85, "planning placement for the VRAM budget")
         self.tiers = tuple(sorted(tiers))
@@ -246,6 +253,8 @@ class TorchEngine(Engine):
         from engine import kernels
 
         rep["cpu_matmul"] = kernels.status()
+        if self.vision is not None:
+            rep["vision"] = self._vision_report()
         return rep
 
     def _require_open(self) -> None:
@@ -264,6 +273,11 @@ class TorchEngine(Engine):
                  prefix_hit_rate=kv.prefix_stats["hit_tokens"] / max(kv.prefix_stats["prompt_tokens"], 1),
                  last_replan_ms=self.replans[-1]["replan_ms"] if self.replans else None)
         s.update(kv.host_report())
+        if self.vision is not None:
+            last = self.vision_pass.last or {}
+            s.update(vision_passes=self.vision_pass.passes, vision_where=last.get("where"),
+                     vision_ms=last.get("measured_ms"), vision_predicted_ms=(last.get("plan") or {}).get("predicted_ms"),
+                     vision_vram_bytes=last.get("booked_bytes"))
         return s
 
     # ---- running steps -------------------------------------------------------------------------
@@ -312,12 +326,12 @@ class TorchEngine(Engine):
             return super().encode_prompt(prompt_or_messages, images)
         from engine.models.vision import prepare_vision_prompt
 
-        # The vision pass runs to completion (its weights streamed block by block, its VRAM freed)
-        # before the language model starts, under the engine's lock: never beside another generation.
-        device = self.accel.device if self.accel is not None and self.accel.kind == "cuda" else None
+        # The vision pass runs to completion (its weights streamed block by block, its VRAM booked
+        # against the budget and freed) before the language model starts, under the engine's lock:
+        # never beside another generation.
         with self._lock:
             vp = prepare_vision_prompt(self.vision_weights, self.vision, self.tokenizer, prompt_or_messages,
-                                       images, device, dtype=self.dtype)
+                                       images, dtype=self.dtype, encoder=self._encode_vision)
             if self.accel is not None:
                 self.executor.release_to_driver()
         ids = list(vp.ids)
@@ -325,6 +339,49 @@ class TorchEngine(Engine):
             self._vision_prompts.pop(next(iter(self._vision_prompts)))
         self._vision_prompts[id(ids)] = vp
         return ids
+
+    def _vision_plan(self, grids):
+        prof = self.planner().prof if self.accel is not None else None
+        used = self.accel.total_used if self.accel is not None else 0
+        return self.vision_pass.plan(grids, prof, self.budget, used)
+
+    @torch.inference_mode()
+    def _encode_vision(self, pixel_values, grids) -> torch.Tensor:
+        """One vision pass under the budget: the language model makes room first where it must (its
+        plan for the budget less the pass; the full plan returns at its next step)."""
+        self._apply_pending_budget()
+        plan = self._vision_plan(grids)
+        if plan.where == "gpu" and plan.vram_bytes > self.budget - self.accel.total_used:
+            room = self._make_planset(max(self.budget - plan.vram_bytes, 0))
+            self.executor.activate(room.for_tokens(1))
+            self.executor.release_to_driver()
+
+        def budget_dropped() -> bool:
+            pending = self._pending_budget
+            return pending is not None and pending < self.accel.total_used
+
+        return self.vision_pass.run(pixel_values, grids, plan, budget_dropped)
+
+    def force_vision(self, where: str = "auto") -> None:
+        """Run vision passes on "gpu" (weights streamed), "cpu", or where predicted faster ("auto")."""
+        from engine.models.vision.vision_pass import WHERE
+
+        if where not in WHERE:
+            raise BadInputError(f"vision placement {where!r}: expected one of {', '.join(WHERE)}")
+        if self.vision is None:
+            raise BadInputError(f"{Path(self.source).name} is a text-only model: it has no vision pass")
+        self.vision_pass.where = where
+
+    def _vision_report(self) -> dict:
+        """The last pass (plan, booked VRAM, measured ms) and the plan a reference image (1280x720)
+        would get now."""
+        from engine.models.vision.qwen2_5_vl_processor import grid_for_size
+
+        grid = grid_for_size(720, 1280, self.vision.processor)
+        return {"weights_bytes": self.vision_pass.weight_bytes, "forced": self.vision_pass.where,
+                "passes": self.vision_pass.passes, "last": self.vision_pass.last,
+                "reference_image": {"size": [1280, 720], "grid": list(grid),
+                                    **self._vision_plan([grid]).report()}}
 
     @torch.inference_mode()
     def _token_stream(self, ids: list[int], params: SamplingParams, cancel: CancelToken,

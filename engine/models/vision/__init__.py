@@ -6,6 +6,10 @@ At generation: `prepare_vision_prompt` (images + messages -> ids, M-RoPE positio
 embeddings, the rows they replace), or the pieces: `load_image`, `preprocess_images`, `encode_images`,
 `build_prompt_ids`, `mrope_positions`; `mrope_cos_sin` / `MRotaryTable` for the rotary tables and
 `decode_positions` for generated tokens.
+
+The engine runs the tower through `vision_pass.VisionPass` (weights in host memory streamed to the GPU
+through booked slots, activations booked and bounded by a work cap, the pass planned and priced by
+`vision_pass.plan_vision_pass` against the VRAM budget, or run on the CPU where that is cheaper).
 """
 
 from engine.models.vision.image_input import load_image

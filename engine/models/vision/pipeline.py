@@ -7,7 +7,9 @@
     ... decode token at sequence index i: decode_positions(i, 1, vp.delta)
 
 The vision tower runs to completion (its weights copied to `device` one block at a time and dropped)
-before this returns, so its memory is free before the language model starts.
+before this returns, so its memory is free before the language model starts. The engine passes
+`encoder` instead (`engine.models.vision.vision_pass.VisionPass`: the pass planned against its VRAM
+budget, weights streamed through booked slots).
 """
 
 from __future__ import annotations
@@ -36,16 +38,21 @@ class VisionPrompt:
 def prepare_vision_prompt(vision_weights: dict[str, torch.Tensor], vcfg: VisionConfig, tokenizer, messages,
                           images, device=None, *, dtype: torch.dtype | None = None,
                           attn_mem_cap: int = DEFAULT_ATTN_MEM_CAP,
-                          add_generation_prompt: bool = True) -> VisionPrompt:
+                          add_generation_prompt: bool = True, encoder=None) -> VisionPrompt:
     """Decode and preprocess `images` (paths, bytes, PIL images), run the vision tower, build the prompt
-    ids from `messages` (a chat list, or a str with one "<|image_pad|>" per image) and its positions."""
+    ids from `messages` (a chat list, or a str with one "<|image_pad|>" per image) and its positions.
+    `encoder(pixel_values, grids) -> embeddings` replaces `encode_pixels` over `vision_weights`; it runs
+    after the prompt is built, so a bad prompt never costs a vision pass."""
     pil = [load_image(im, index=i) for i, im in enumerate(images)]
     pixel_values, grids = preprocess_images(pil, vcfg.processor)
     counts = [image_token_count(g, vcfg.spatial_merge_size) for g in grids.tolist()]
     ids = build_prompt_ids(tokenizer, messages, counts, add_generation_prompt=add_generation_prompt)
     positions, delta = mrope_positions(ids, vcfg.image_token_id, grids, vcfg.spatial_merge_size)
-    embeddings = encode_pixels(vision_weights, vcfg, pixel_values, grids, device=device, dtype=dtype,
-                               attn_mem_cap=attn_mem_cap)
+    if encoder is not None:
+        embeddings = encoder(pixel_values, grids)
+    else:
+        embeddings = encode_pixels(vision_weights, vcfg, pixel_values, grids, device=device, dtype=dtype,
+                                   attn_mem_cap=attn_mem_cap)
     mask = torch.tensor(ids) == vcfg.image_token_id
     return VisionPrompt(ids=ids, positions=positions, delta=delta, embeddings=embeddings, image_mask=mask,
                         grids=grids, token_counts=counts)

@@ -172,12 +172,13 @@ def segmented_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengt
                         mem_cap: int = DEFAULT_ATTN_MEM_CAP) -> torch.Tensor:
     """Bidirectional attention within consecutive segments of `lengths` tokens.
 
-    q, k, v: [heads, n, d] -> [heads, n, d]. Segments of equal length run as one batched SDPA call;
-    batches and, for a long segment, query tiles are cut so that a call's scores
-    (batch x heads x queries x keys x element size) stay within `mem_cap` bytes."""
+    q, k, v: [heads, n, d] -> [heads, n, d]. Segments of equal length run as one batched SDPA call
+    (their q, k, v gathered) where the batch's scores and gathered copies fit `mem_cap` bytes; a
+    segment that does not fit runs alone, on views of q, k, v, its queries tiled so that a call's
+    scores (heads x queries x keys x element size) and output stay within `mem_cap` where one query
+    row allows it. A 1440p image's full attention never builds its N x N score matrix."""
     heads, n, d = q.shape
     out = torch.empty_like(q)
-    elem = max(q.element_size(), 4)
     starts = [0]
     for n_len in lengths:
         starts.append(starts[-1] + n_len)
@@ -188,9 +189,14 @@ def segmented_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengt
         if n_len:
             by_len.setdefault(n_len, []).append(s)
     for n_len, seg_starts in by_len.items():
-        per_query = heads * n_len * elem                     # score bytes of one query row
-        q_tile = max(1, min(n_len, mem_cap // per_query))
-        batch = max(1, mem_cap // (per_query * q_tile)) if q_tile == n_len else 1
+        q_tile, batch = attention_tiling(n_len, heads, d, q.element_size(), mem_cap)
+        if batch == 1:                 # one segment at a time, on views; queries tiled
+            for s in seg_starts:
+                ks, vs = k[None, :, s:s + n_len], v[None, :, s:s + n_len]
+                for a in range(s, s + n_len, q_tile):
+                    b = min(s + n_len, a + q_tile)
+                    out[:, a:b] = F.scaled_dot_product_attention(q[None, :, a:b], ks, vs)[0]
+            continue
         offsets = torch.arange(n_len, device=q.device)
         for b0 in range(0, len(seg_starts), batch):
             s = torch.tensor(seg_starts[b0:b0 + batch], device=q.device)
@@ -199,41 +205,125 @@ def segmented_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengt
             kb = k[:, idx].view(heads, B, n_len, d).transpose(0, 1)     # [B, heads, L, d]
             vb = v[:, idx].view(heads, B, n_len, d).transpose(0, 1)
             qb = q[:, idx].view(heads, B, n_len, d).transpose(0, 1)
-            if q_tile == n_len:
-                ob = F.scaled_dot_product_attention(qb, kb, vb)
-            else:
-                ob = torch.cat([F.scaled_dot_product_attention(qb[:, :, a:a + q_tile], kb, vb)
-                                for a in range(0, n_len, q_tile)], dim=2)
+            ob = F.scaled_dot_product_attention(qb, kb, vb)
             out[:, idx] = ob.transpose(0, 1).reshape(heads, B * n_len, d)
     return out
 
 
+def attention_tiling(n_len: int, heads: int, d: int, elem_size: int, mem_cap: int) -> tuple[int, int]:
+    """(query tile, segments per call) for segments of `n_len` tokens (see `segmented_attention`):
+    batches of whole segments when at least two fit the cap with their gathered q, k, v and output,
+    else one segment per call with the queries tiled."""
+    per_query = heads * n_len * max(elem_size, 4)            # score bytes of one query row
+    gathered = 4 * heads * n_len * d * elem_size             # q, k, v and output of one gathered segment
+    batch = mem_cap // (per_query * n_len + gathered)
+    if batch >= 2:
+        return n_len, int(batch)
+    q_tile = max(1, min(n_len, mem_cap // (per_query + heads * d * elem_size)))
+    return int(q_tile), 1
+
+
+def attention_work_bytes(lengths, heads: int, d: int, elem_size: int, mem_cap: int) -> int:
+    """The largest working memory (scores, gathered q, k, v and output) one SDPA call of
+    `segmented_attention` takes for these segments (for booking VRAM). Fused kernels (flash, memory-
+    efficient, the CPU's) build no scores; the bound covers an unfused one (scores and their softmax)."""
+    peak = 0
+    for n_len, count in _count_lengths(lengths).items():
+        q_tile, batch = attention_tiling(n_len, heads, d, elem_size, mem_cap)
+        score = 2 * heads * q_tile * n_len * max(elem_size, 4)     # an unfused kernel's scores and softmax
+        if batch == 1:
+            peak = max(peak, score + heads * q_tile * d * elem_size)
+        else:
+            b = min(batch, count)
+            peak = max(peak, b * (score + 4 * heads * n_len * d * elem_size))
+    return peak
+
+
+def attention_calls(lengths, heads: int, d: int, elem_size: int, mem_cap: int) -> tuple[int, float]:
+    """(SDPA calls, key/value bytes read) of `segmented_attention` over these segments (for timing)."""
+    calls, kv_bytes = 0, 0.0
+    for n_len, count in _count_lengths(lengths).items():
+        q_tile, batch = attention_tiling(n_len, heads, d, elem_size, mem_cap)
+        tiles = -(-n_len // q_tile)
+        calls += -(-count // batch) * tiles if batch > 1 else count * tiles
+        kv_bytes += count * tiles * 2 * heads * n_len * d * elem_size
+    return calls, kv_bytes
+
+
+def _count_lengths(lengths) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for n_len in lengths:
+        if n_len:
+            out[n_len] = out.get(n_len, 0) + 1
+    return out
+
+
 def vision_block(vcfg: VisionConfig, w: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, lengths: list[int], mem_cap: int = DEFAULT_ATTN_MEM_CAP) -> torch.Tensor:
-    """One block; `w` uses local names ("qkv.weight", ...); x [n, hidden] in window order."""
+                 sin: torch.Tensor, lengths: list[int], mem_cap: int = DEFAULT_ATTN_MEM_CAP,
+                 rows: int | None = None) -> torch.Tensor:
+    """One block; `w` uses local names ("qkv.weight", ...); x [n, hidden] in window order.
+
+    `rows`: the row-wise parts (norms, projections, rotary, MLP) run `rows` tokens at a time, so their
+    temporaries stay within a memory cap for a large image; None = all rows at once. Only q, k, v and
+    the attention output are whole-sequence tensors besides x, which is updated in place when chunked."""
     n = x.shape[0]
-    h = rms_norm(x, w["attn_norm.weight"])
-    qkv = F.linear(h, w["qkv.weight"], w["qkv.bias"]).view(n, 3, vcfg.num_heads, vcfg.head_dim)
-    q, k, v = qkv.unbind(1)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    attn = segmented_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), lengths, mem_cap)
-    x = x + F.linear(attn.transpose(0, 1).reshape(n, vcfg.hidden_size), w["o.weight"], w["o.bias"])
-    h = rms_norm(x, w["ffn_norm.weight"])
+    rows = n if rows is None else max(1, min(int(rows), n))
+    heads, d = vcfg.num_heads, vcfg.head_dim
     act = _ACTS[vcfg.hidden_act]
-    h = act(F.linear(h, w["gate.weight"], w["gate.bias"])) * F.linear(h, w["up.weight"], w["up.bias"])
-    return x + F.linear(h, w["down.weight"], w["down.bias"])
+    q = torch.empty(heads, n, d, dtype=x.dtype, device=x.device)
+    k, v = torch.empty_like(q), torch.empty_like(q)
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        h = rms_norm(x[a:b], w["attn_norm.weight"])
+        qkv = F.linear(h, w["qkv.weight"], w["qkv.bias"]).view(b - a, 3, heads, d)
+        del h
+        qa, ka, va = qkv.unbind(1)
+        q[:, a:b] = _rotate(qa, cos[a:b], sin[a:b]).transpose(0, 1)
+        k[:, a:b] = _rotate(ka, cos[a:b], sin[a:b]).transpose(0, 1)
+        v[:, a:b] = va.transpose(0, 1)
+        del qkv, qa, ka, va
+    attn = segmented_attention(q, k, v, lengths, mem_cap)
+    del q, k, v
+    if rows == n:
+        x = x + F.linear(attn.transpose(0, 1).reshape(n, vcfg.hidden_size), w["o.weight"], w["o.bias"])
+        del attn
+        h = rms_norm(x, w["ffn_norm.weight"])
+        h = act(F.linear(h, w["gate.weight"], w["gate.bias"])) * F.linear(h, w["up.weight"], w["up.bias"])
+        return x + F.linear(h, w["down.weight"], w["down.bias"])
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        x[a:b] += F.linear(attn[:, a:b].transpose(0, 1).reshape(b - a, vcfg.hidden_size), w["o.weight"], w["o.bias"])
+    del attn
+    for a in range(0, n, rows):
+        b = min(n, a + rows)
+        h = rms_norm(x[a:b], w["ffn_norm.weight"])
+        h = act(F.linear(h, w["gate.weight"], w["gate.bias"])) * F.linear(h, w["up.weight"], w["up.bias"])
+        x[a:b] += F.linear(h, w["down.weight"], w["down.bias"])
+    return x
 
 
 _ACTS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda t: F.gelu(t, approximate="tanh"),
          "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t)}
 
 
-def merge_patches(vcfg: VisionConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+def merge_patches(vcfg: VisionConfig, w: dict[str, torch.Tensor], x: torch.Tensor,
+                  rows: int | None = None) -> torch.Tensor:
     """The merger; `w` uses local names ("norm.weight", "fc1.weight", ...): [n, hidden] ->
-    [n / merge^2, out_hidden]."""
-    h = rms_norm(x, w["norm.weight"]).reshape(-1, vcfg.hidden_size * vcfg.merge_unit)
-    h = F.gelu(F.linear(h, w["fc1.weight"], w["fc1.bias"]))
-    return F.linear(h, w["fc2.weight"], w["fc2.bias"])
+    [n / merge^2, out_hidden]; `rows` (rounded up to whole merge groups) runs it a chunk at a time."""
+    n, unit = x.shape[0], vcfg.merge_unit
+
+    def merge(part: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(part, w["norm.weight"]).reshape(-1, vcfg.hidden_size * unit)
+        h = F.gelu(F.linear(h, w["fc1.weight"], w["fc1.bias"]))
+        return F.linear(h, w["fc2.weight"], w["fc2.bias"])
+
+    if rows is None or rows >= n:
+        return merge(x)
+    step = -(-int(rows) // unit) * unit
+    out = torch.empty(n // unit, vcfg.out_hidden_size, dtype=x.dtype, device=x.device)
+    for a in range(0, n, step):
+        out[a // unit:(a + step) // unit] = merge(x[a:a + step])
+    return out
 
 
 def _local(weights: dict[str, torch.Tensor], prefix: str, device, dtype) -> dict[str, torch.Tensor]:
@@ -241,37 +331,83 @@ def _local(weights: dict[str, torch.Tensor], prefix: str, device, dtype) -> dict
             for n, t in weights.items() if n.startswith(prefix)}
 
 
-def encode_pixels(weights: dict[str, torch.Tensor], vcfg: VisionConfig, pixel_values: torch.Tensor,
-                  grid_thw, *, device=None, dtype: torch.dtype | None = None,
-                  attn_mem_cap: int = DEFAULT_ATTN_MEM_CAP) -> torch.Tensor:
-    """pixel_values [n_patches, C*T*P*P] + grids -> embeddings [n_patches / merge^2, out_hidden] (all
-    images concatenated, in image order) on `device`. Weights may live on the CPU: each block's are
-    copied to `device` when it runs and dropped after."""
-    grids = [tuple(int(v) for v in g) for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
-    embed_w = weights["vision.patch_embed.weight"]
-    device = torch.device(device) if device is not None else embed_w.device
-    dtype = dtype or embed_w.dtype
+def vision_groups(vcfg: VisionConfig) -> list[str]:
+    """The tower's weight groups in the order they run (the units streamed to the device)."""
+    return ["vision.embed", *(f"vision.blocks.{i}" for i in range(vcfg.depth)), "vision.merger"]
+
+
+def _grid_list(grid_thw) -> list[tuple[int, int, int]]:
+    return [tuple(int(v) for v in g) for g in (grid_thw.tolist() if torch.is_tensor(grid_thw) else grid_thw)]
+
+
+def run_tower(vcfg: VisionConfig, pixel_values: torch.Tensor, grid_thw, fetch, *, dtype: torch.dtype,
+              attn_mem_cap: int = DEFAULT_ATTN_MEM_CAP, rows: int | None = None, done=None) -> torch.Tensor:
+    """The tower over weights handed out group by group (see `vision_groups`).
+
+    fetch(group, x) -> (weights of the group under local names, x): the group's weights and the
+    activations on the device the group runs on (x is None for "vision.embed": the pixels are moved
+    there instead); done(group) is called once the group's compute is issued (its weights may then be
+    reused). The rotary tables follow x when a group moves it. `rows` caps the rows of each block's
+    row-wise work (see `vision_block`)."""
+    grids = _grid_list(grid_thw)
     unit = vcfg.merge_unit
     n = pixel_values.shape[0]
     if n != sum(t * h * w for t, h, w in grids):
         raise ValueError(f"pixel_values has {n} patches, the grids {grids} need {sum(t * h * w for t, h, w in grids)}")
-
     order, window_lengths = window_order(grids, vcfg)
-    patch_order = (order[:, None] * unit + torch.arange(unit)[None, :]).reshape(-1).to(device)
+    patch_order = (order[:, None] * unit + torch.arange(unit)[None, :]).reshape(-1)
     full_lengths = image_lengths(grids)
     cos, sin = vision_rotary(patch_positions(grids, vcfg.spatial_merge_size), vcfg)
-    cos, sin = cos.to(device)[patch_order], sin.to(device)[patch_order]
+    cos, sin = cos[patch_order], sin[patch_order]
 
-    pe = embed_w.to(device=device, dtype=dtype).reshape(vcfg.hidden_size, -1)
-    x = F.linear(pixel_values.to(device=device, dtype=dtype), pe)[patch_order]
-    del pe
+    w, _ = fetch("vision.embed", None)
+    dev = w["patch_embed.weight"].device
+    pe = w["patch_embed.weight"].reshape(vcfg.hidden_size, -1)
+    if rows is None or rows >= n:
+        x = F.linear(pixel_values.to(device=dev, dtype=dtype), pe)
+    else:                      # the pixels cross to the device a chunk at a time
+        x = torch.empty(n, vcfg.hidden_size, dtype=dtype, device=dev)
+        for a in range(0, n, rows):
+            x[a:a + rows] = F.linear(pixel_values[a:a + rows].to(device=dev, dtype=dtype), pe)
+    x = x[patch_order.to(dev)]
+    del pe, w
+    if done is not None:
+        done("vision.embed")
     full = set(vcfg.fullatt_block_indexes)
     for i in range(vcfg.depth):
-        w = _local(weights, f"vision.blocks.{i}.", device, dtype)
-        x = vision_block(vcfg, w, x, cos, sin, full_lengths if i in full else window_lengths, attn_mem_cap)
+        group = f"vision.blocks.{i}"
+        w, x = fetch(group, x)
+        if cos.device != x.device:
+            cos, sin = cos.to(x.device), sin.to(x.device)
+        x = vision_block(vcfg, w, x, cos, sin, full_lengths if i in full else window_lengths, attn_mem_cap, rows)
         del w
-    merged = merge_patches(vcfg, _local(weights, "vision.merger.", device, dtype), x)
-    return merged[torch.argsort(order.to(device))]
+        if done is not None:
+            done(group)
+    del cos, sin
+    w, x = fetch("vision.merger", x)
+    merged = merge_patches(vcfg, w, x, rows)
+    del w, x
+    if done is not None:
+        done("vision.merger")
+    return merged[torch.argsort(order.to(merged.device))]
+
+
+def encode_pixels(weights: dict[str, torch.Tensor], vcfg: VisionConfig, pixel_values: torch.Tensor,
+                  grid_thw, *, device=None, dtype: torch.dtype | None = None,
+                  attn_mem_cap: int = DEFAULT_ATTN_MEM_CAP, rows: int | None = None) -> torch.Tensor:
+    """pixel_values [n_patches, C*T*P*P] + grids -> embeddings [n_patches / merge^2, out_hidden] (all
+    images concatenated, in image order) on `device`. Weights may live on the CPU: each block's are
+    copied to `device` when it runs and dropped after."""
+    embed_w = weights["vision.patch_embed.weight"]
+    device = torch.device(device) if device is not None else embed_w.device
+    dtype = dtype or embed_w.dtype
+
+    def fetch(group: str, x):
+        if group == "vision.embed":
+            return {"patch_embed.weight": embed_w.to(device=device, dtype=dtype)}, x
+        return _local(weights, group + ".", device, dtype), x
+
+    return run_tower(vcfg, pixel_values, grid_thw, fetch, dtype=dtype, attn_mem_cap=attn_mem_cap, rows=rows)
 
 
 def encode_images(weights: dict[str, torch.Tensor], vcfg: VisionConfig, images, device=None, *,
@@ -297,6 +433,6 @@ def attention_scores_bytes(n_tokens: int, vcfg: VisionConfig, mem_cap: int = DEF
     return min(n_tokens, max(1, mem_cap // per_query)) * per_query if n_tokens else 0
 
 
-__all__ = ["DEFAULT_ATTN_MEM_CAP", "VisionConfig", "attention_scores_bytes", "encode_images", "encode_pixels",
-           "merge_patches", "segmented_attention", "vision_block", "vision_weight_names",
-           "vision_weight_shapes"]
+__all__ = ["DEFAULT_ATTN_MEM_CAP", "VisionConfig", "attention_scores_bytes", "attention_tiling",
+           "attention_work_bytes", "encode_images", "encode_pixels", "merge_patches", "run_tower",
+           "segmented_attention", "vision_block", "vision_groups", "vision_weight_names", "vision_weight_shapes"]
