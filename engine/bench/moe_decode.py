@@ -1,7 +1,8 @@
 """Slipstream's mixture-of-experts decode on its own: tokens/s at given VRAM budgets, with the plan chosen.
 
     python -m engine.bench.moe_decode --device cuda --budgets 4GiB,8GiB        # Qwen3-30B-A3B, 24 layers
-    python -m engine.bench.moe_decode --device sim --model tiny-moe --budgets 1MiB,4MiB --out /tmp/x
+    python -m engine.bench.moe_decode --device sim --model tiny-moe --budgets 3MiB --kinds gpu_only \
+        --tiers 1,4 --out /tmp/x                                                # any machine
 
 One engine over random weights (bf16; the scenario's shape: qwen3-30b-a3b is 24 of its 48 layers), budgets
 applied live in ascending order. Per budget and plan kind (`--kinds`; "auto" is the planner's choice): a
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from engine.bench.gpu_common import write_report
 from engine.bench.scenarios import DRY_SCENARIOS, SCENARIOS
-from engine.bench.slipstream_runs import compact_plan, open_engine
+from engine.bench.slipstream_runs import compact_plan, open_engine, placements_by_kind
 from engine.units import format_bytes, parse_bytes
 
 PROMPT = "x" * 64
@@ -32,11 +33,7 @@ SKIP = 3            # decode steps left out of the rate (first-step and warm-up 
 def decode_plan(report: dict) -> dict:
     """The decode tier's plan: kind, predicted ms and where routers and expert groups sit."""
     t = report["tiers"][0]
-    where: dict[str, dict[str, int]] = {}
-    for name, p in t["placement"].items():
-        kind = "experts" if ".experts." in name else name.rsplit(".", 1)[-1]
-        where.setdefault(kind, {}).setdefault(p, 0)
-        where[kind][p] += 1
+    where = placements_by_kind(t["placement"])
     return {"tokens": t["tokens"], "plan": t["plan"], "predicted_ms": t["predicted_ms"],
             "predicted_tps": 1e3 * t["tokens"] / t["predicted_ms"] if t["predicted_ms"] else None,
             "vram": t["vram"], "placements": where}
@@ -71,7 +68,8 @@ def run(args) -> dict:
     budgets = sorted(((b, parse_bytes(b)) for b in args.budgets.split(",")), key=lambda x: x[1])
     kinds = args.kinds.split(",")
     t0 = time.perf_counter()
-    eng = open_engine(scenario, budgets[0][1], args.device, n_ctx=args.ctx)
+    extra = {"tiers": tuple(int(t) for t in args.tiers.split(","))} if args.tiers else {}
+    eng = open_engine(scenario, budgets[0][1], args.device, n_ctx=args.ctx, **extra)
     open_s = time.perf_counter() - t0
     print(f"{scenario.model}: opened in {open_s:.0f} s ({scenario.note or 'full shape'})", flush=True)
     rows = []
@@ -120,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default="auto", help="plan kinds, comma-separated: auto,static,dynamic,gpu_only")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=1024, help="context (KV capacity) the engine plans for")
+    ap.add_argument("--tiers", default=None, help="token tiers to plan, e.g. 1,4,64 (default: the engine's)")
     ap.add_argument("--no-whole", action="store_true", help="skip the whole-group streaming baseline")
     ap.add_argument("--out", default="docs/benchmarks/gpu")
     args = ap.parse_args(argv)

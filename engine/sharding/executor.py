@@ -148,7 +148,8 @@ class Executor:
         """Issue queued loads in order, up to the first routed expert group whose router has not run."""
         while self._pending:
             slot, name = self._pending[0]
-            if self.slot_content[slot] == name:
+            # (a load the plan no longer streams, or whose slot went to another, is dropped)
+            if self.slot_content[slot] == name and self.plan.placement.get(name) is Placement.STREAMED:
                 experts = self._routed_experts(name)
                 if experts is False:
                     return
@@ -243,8 +244,8 @@ class Executor:
             slot = self.slot_content.index(name)
             if (slot, name) in self._pending:          # queued behind a load that waits: issue it now
                 self._pending.remove((slot, name))
-                experts = self._routed_experts(name)
-                self._issue(slot, name, None if experts is False else experts)
+            experts = self._routed_experts(name)
+            self._issue(slot, name, None if experts is False else experts)   # copies only what is missing
             if self.slot_ready[slot] is not None:      # None: nothing copied yet (no expert routed)
                 self.slot_ready[slot].wait_compute()
             return self.store.sublayers[name].views(self.store.slots[slot])

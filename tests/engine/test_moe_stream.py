@@ -236,3 +236,25 @@ def test_planner_streams_routed_experts_for_decode_where_it_pays(monkeypatch):
     monkeypatch.setattr(spec_mod, "ROUTED_STREAM_MAX", 0.0)
     whole = Planner(spec, slow_cpu_profile(), tiers=(1, 64)).plan("4GiB", kv_tokens=4096).plans[0]
     assert decode.predicted_ms < 0.5 * whole.predicted_ms
+
+
+# ---- the standalone decode benchmark ---------------------------------------------------------------
+
+def test_moe_decode_bench_runs_on_sim(tmp_path, capsys):
+    """engine.bench.moe_decode on the tiny MoE shape: a row per budget and mode with the decode plan,
+    and the routed row copies fewer bytes per step than the whole-group baseline of the same plan."""
+    import json
+
+    from engine.bench.moe_decode import main
+
+    assert main(["--device", "sim", "--model", "tiny-moe", "--budgets", "3MiB", "--kinds", "gpu_only",
+                 "--tiers", "1,4", "--tokens", "8", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "moe_decode.json").read_text())
+    assert out["command"].startswith("python -m engine.bench.moe_decode") and out["machine"] and out["date"]
+    routed, whole = out["rows"]
+    assert (routed["routed"], whole["routed"]) == (True, False)
+    assert routed["decode_plan"]["placements"]["experts"].get("streamed", 0) > 0
+    assert routed["decode_tps"] > 0 and routed["plan"]["tiers"][0]["by_kind"]["experts"]
+    assert routed["routed_loads_per_step"] > 0 and whole["routed_loads_per_step"] == 0
+    assert 0 < routed["copied_bytes_per_step"] < 0.6 * whole["copied_bytes_per_step"]
+    assert "| 3MiB | gpu_only | routed |" in capsys.readouterr().out
