@@ -36,7 +36,7 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {
     "llama3-8b": Scenario("llama3-8b", "dense", "llama3-8b"),
     "qwen3-30b-a3b": Scenario("qwen3-30b-a3b", "moe", "qwen3-30b-a3b", layers=24,
-                              note="24 of its 48 layers (half the weights: 15 GB in 16-bit)"),
+                              note="24 of its 48 layers (half the weights: 31 GB in 16-bit)"),
     "qwen2.5-vl-7b": Scenario("qwen2.5-vl-7b", "vl", "", note="a 1440p image; not built yet", later=True),
 }
 DRY_SCENARIOS: dict[str, Scenario] = {

@@ -22,13 +22,13 @@ from engine.bench.vram_poll import VramPoller
 DECODE_PROMPT = 64
 
 
-def open_engine(scenario, budget: int, device: str, n_ctx: int):
+def open_engine(scenario, budget: int, device: str, n_ctx: int, **engine_kwargs):
     from engine.backends.torch_engine import TorchEngine
     from engine.loading.random_init import random_model
 
     cfg = scenario.engine_config()
     loaded = random_model(cfg, seed=0, name=scenario.model)
-    eng = TorchEngine(loaded, device=device, vram_budget=budget, n_ctx=n_ctx)
+    eng = TorchEngine(loaded, device=device, vram_budget=budget, n_ctx=n_ctx, **engine_kwargs)
     del loaded
     _empty_cache()
     return eng
@@ -52,10 +52,27 @@ def prefill_tps(eng, n: int, run: int) -> float:
     return float(eng.stats()["prefill_tokens_per_s"])
 
 
-def decode_tps(eng, run: int, n_new: int = DECODE_TOKENS) -> float:
+def decode_tps(eng, run: int, n_new: int = DECODE_TOKENS, copied: dict | None = None) -> float:
+    """Decode tokens/s; with `copied`, also the weight bytes streamed per decode step (from the first
+    token on: a MoE decode streams only routed experts)."""
+    ex = getattr(eng, "executor", None)
+    first = None
     for _ in eng.generate(_prompt(DECODE_PROMPT, run), max_new_tokens=n_new):
-        pass
+        if first is None and ex is not None:
+            first = ex.copied_bytes
+    if copied is not None and first is not None:
+        copied["decode_copied_bytes_per_token"] = (ex.copied_bytes - first) / max(n_new - 1, 1)
     return float(eng.stats()["decode_tokens_per_s"])
+
+
+def placements_by_kind(placement: dict) -> dict[str, dict[str, int]]:
+    """How many sub-layers of each kind (attn, ffn, experts (MoE expert groups), embed, head) sit where."""
+    out: dict[str, dict[str, int]] = {}
+    for name, p in placement.items():
+        kind = "experts" if ".experts." in name else name.rsplit(".", 1)[-1]
+        out.setdefault(kind, {}).setdefault(str(p), 0)
+        out[kind][str(p)] += 1
+    return out
 
 
 def compact_plan(report: dict) -> dict:
@@ -66,7 +83,7 @@ def compact_plan(report: dict) -> dict:
         for p in t["placement"].values():
             counts[p] = counts.get(p, 0) + 1
         tiers.append({"tokens": t["tokens"], "plan": t["plan"], "predicted_ms": t["predicted_ms"],
-                      "vram": t["vram"], "placements": counts})
+                      "vram": t["vram"], "placements": counts, "by_kind": placements_by_kind(t["placement"])})
     return {"budget": report.get("budget"), "step_tokens": report.get("step_tokens"), "tiers": tiers,
             "in_use": report.get("in_use")}
 
@@ -82,9 +99,19 @@ def measure_budget(eng, budget: int, runs: int, poll: VramPoller) -> dict:
     out: dict = {}
     for n in PROMPTS:
         out[f"prefill{n}_tps"] = statistics.median(prefill_tps(eng, n, r) for r in range(runs))
-    out["decode_tps"] = decode_tps(eng, runs)
+    out["decode_tps"] = decode_tps(eng, runs, copied=out)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
+
+
+def _experts_line(row: dict) -> str:
+    """For a MoE model: where the decode plan puts the expert groups, and the bytes a decode step copies."""
+    tiers = row["plan"]["tiers"]
+    experts = tiers[0]["by_kind"].get("experts") if tiers else None
+    if not experts:
+        return ""
+    copied = row.get("decode_copied_bytes_per_token")
+    return f"; decode expert groups {experts}" + (f", {copied / 2**20:.1f} MiB copied/token" if copied else "")
 
 
 def unsupported_rows(scenario, budgets, reason: str) -> list[dict]:
@@ -125,6 +152,7 @@ def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int
                        "engine_peak_bytes": (report.get("in_use") or {}).get("peak"),
                        "fits": None if peak is None else peak <= b + allowance,
                        **{k: m[k] for k in m if k.endswith("_tps")},
+                       "decode_copied_bytes_per_token": m.get("decode_copied_bytes_per_token"),
                        **{f"decode_batch{n}_tps": None for n in BATCHES},
                        "decode_batch_note": "not supported yet (batching in the engine comes later)",
                        "command": command, "plan": compact_plan(report), "open_seconds": round(open_s, 1),
@@ -136,7 +164,8 @@ def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int
                     __import__("json").dumps(report, indent=1, default=str))
                 say(f"  slipstream {scenario.model} {name}: prefill {m['prefill512_tps']:.0f}/"
                     f"{m['prefill4096_tps']:.0f} t/s, decode {m['decode_tps']:.2f} t/s, peak NVML "
-                    f"{(peak or 0) / 2**30:.2f} GiB, plan {[t['plan'] for t in row['plan']['tiers']]}")
+                    f"{(peak or 0) / 2**30:.2f} GiB, plan {[t['plan'] for t in row['plan']['tiers']]}"
+                    + _experts_line(row))
     finally:
         eng.close()
         del eng

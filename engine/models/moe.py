@@ -73,21 +73,28 @@ def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, 
 
 def experts_block(cfg: ModelConfig, w: dict[str, torch.Tensor], s: MoeState, experts: range) -> MoeState:
     """Add the weighted outputs of `experts` (the group whose stacked weights are `w`) for the tokens
-    routed to them into `s.out`."""
+    routed to them into `s.out`.
+
+    A one-token step (decode) skips the gather and the scatter: the expert reads the token's row as is
+    and adds its weighted output in one fused multiply-add (5 kernels per routed expert instead of 7;
+    on a GPU decode is bound by kernel launches, as the host must wait for the router first)."""
     gate_up = w.get("experts.gate_up.weight")
     down = w["experts.down.weight"]
+    single = s.h.shape[0] == 1
     for j, e in enumerate(experts):
         a, b = s.bounds[e], s.bounds[e + 1]
         if a == b:
             continue
-        rows = s.rows[a:b]
-        hx = s.h[rows]
+        hx = s.h if single else s.h[s.rows[a:b]]
         if gate_up is not None:
             gate, up = F.linear(hx, gate_up[j]).chunk(2, dim=-1)
         else:
             gate, up = F.linear(hx, w["experts.gate.weight"][j]), F.linear(hx, w["experts.up.weight"][j])
-        y = F.linear(F.silu(gate) * up, down[j]) * s.weights[a:b, None]
-        s.out.index_add_(0, rows, y.to(s.out.dtype))
+        y = F.linear(F.silu(gate) * up, down[j])
+        if single:
+            s.out.addcmul_(y, s.weights[a:b, None])
+        else:
+            s.out.index_add_(0, s.rows[a:b], (y * s.weights[a:b, None]).to(s.out.dtype))
     return s
 
 

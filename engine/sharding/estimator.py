@@ -12,9 +12,12 @@ Mixture-of-experts layers: a step of t tokens reads only the experts its tokens 
 uniform routing (each token picks k of the E experts independently of the others; real routers are
 skewed, which touches fewer), an expert group of G experts has ~G(1 - (1 - k/E)^t) touched experts, each
 a matmul over t*k*G/E / touched rows on average, and per-op overhead per touched expert. So a decode
-step on the CPU reads about k/E of the expert bytes while a long prefill reads them all; streaming a
-group copies the whole group whatever the tier. Crossing sides inside a MoE layer moves the MoE state
-(hidden state, normed input, partial sum and the routing), not just the hidden state.
+step on the CPU reads about k/E of the expert bytes while a long prefill reads them all. Streaming a
+group copies the whole group ahead of time, except in tiers where `spec.routed_streaming` holds (few
+experts touched: decode, short steps): there it copies the touched experts' bytes only, and not before
+its layer's router has run (`StepCosts.copy_gate`; the pipeline replay holds the copy back till then).
+Crossing sides inside a MoE layer moves the MoE state (hidden state, normed input, partial sum and the
+routing), not just the hidden state.
 """
 
 from __future__ import annotations
@@ -27,12 +30,13 @@ from engine.sharding.memory import sublayer_bytes
 from engine.sharding.pipeline import CPU, RES, STR, Pipeline
 from engine.sharding.plan import Placement
 from engine.sharding.profile import ProfileDatabase
-from engine.sharding.spec import DTYPE_BYTES, ModelSpec
+from engine.sharding.spec import DTYPE_BYTES, ModelSpec, routed_streaming
 
 __all__ = ["CPU", "RES", "STR", "Estimator", "StepCosts", "step_costs"]
 CODE = {Placement.CPU: CPU, Placement.RESIDENT: RES, Placement.STREAMED: STR}
 OPS = {"embed": 1, "attn": 14, "ffn": 7, "head": 3, "router": 9, "experts": 1}   # kernels per sub-layer
 OPS_PER_EXPERT = 7     # kernels per touched expert (gather, gate/up, silu, mul, down, scale, index_add)
+OPS_PER_EXPERT_SINGLE = 5   # in a one-token step (gate/up, silu, mul, down, multiply-add)
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,11 @@ class StepCosts:
     # extra milliseconds of moving sub-layer i's input to the host beyond `to_cpu_ms` (a MoE state is
     # larger than the hidden state); None = none
     to_cpu_extra_ms: np.ndarray | None = None
+    # Routed expert streaming in this tier: each sub-layer's copy time (alone, beside CPU work) replacing
+    # the whole-buffer ones, and the index of the sub-layer whose end its copy waits for (-1: none)
+    copy_alone_ms: np.ndarray | None = None
+    copy_busy_ms: np.ndarray | None = None
+    copy_gate: np.ndarray | None = None
 
 
 def dtype_name(spec: ModelSpec) -> str:
@@ -83,7 +92,7 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
             # The CPU pays each op's dispatch in turn; a GPU runs kernels while the host issues more.
             n_ops = OPS[sub.kind]
             if sub.kind == "experts":
-                n_ops += OPS_PER_EXPERT * spec.expected_experts(sub, n)
+                n_ops += (OPS_PER_EXPERT if n > 1 else OPS_PER_EXPERT_SINGLE) * spec.expected_experts(sub, n)
             issue = prof.op_ms(side, n_ops)
             ms[side][i] = t + issue if side == "cpu" else max(t, issue)
     if not prof.has_gpu:   # any GPU placement costs infinity (crossings stay finite: 0 x inf is nan)
@@ -100,8 +109,23 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
         is_exp = np.array([s.kind == "experts" for s in spec.sublayers])
         to_gpu[is_exp] = prof.move_ms(state_bytes, True)
         extra = np.where(is_exp, prof.move_ms(state_bytes, False) - to_cpu, 0.0)
+    routed = routed_copies(spec, prof, n) if routed_streaming(cfg, n) else (None, None, None)
     return StepCosts(ms["gpu"], ms["cpu"], to_gpu, to_cpu, prof.move_ms(rows * cfg.vocab_size * 4, False),
-                     prof.op_ms("gpu", 2), extra)
+                     prof.op_ms("gpu", 2), extra, *routed)
+
+
+def routed_copies(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int):
+    """(copy ms alone [S], copy ms beside CPU work [S], gate [S]) of a step of `n_tokens` with routed
+    expert streaming: an expert group copies its expected touched experts' packed bytes, after its router."""
+    sizes = sublayer_bytes(spec)
+    idx = {s.name: i for i, s in enumerate(spec.sublayers)}
+    nb = np.array([sizes[s.name] for s in spec.sublayers], dtype=float)
+    gate = np.full(len(spec.sublayers), -1, dtype=np.int64)
+    for i, s in enumerate(spec.sublayers):
+        if s.kind == "experts":
+            nb[i] *= spec.expected_experts(s, n_tokens) / s.n_experts
+            gate[i] = idx[f"layers.{s.layer}.ffn"]
+    return (np.array([prof.copy_ms(b) for b in nb]), np.array([prof.copy_ms(b, busy=True) for b in nb]), gate)
 
 
 def copy_costs(spec: ModelSpec, prof: ProfileDatabase) -> tuple[np.ndarray, np.ndarray]:

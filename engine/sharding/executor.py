@@ -7,6 +7,14 @@ cross between CPU and GPU only where consecutive sub-layers sit on different sid
 layer lives where that layer's attention runs. In a mixture-of-experts layer the router (`ffn`) and each
 expert group run where each is placed, the `MoeState` between them crossing sides like the hidden state.
 
+Routed expert streaming: in steps that touch few experts (`spec.routed_streaming`: decode, short steps) a
+streamed expert group is not copied whole ahead of time. Its load waits in a queue until its layer's
+router has run (the per-expert counts reach the host through a non-spinning wait), then only the routed
+experts' bytes are copied, into their places in the slot (the group's buffer is packed expert by
+expert, so the slot's stacked views stay valid for them; experts not copied are never read). The copies
+of all the layer's groups that hold slots start at once and overlap the compute of the groups before
+them. A slot remembers which experts it holds, so a group that keeps its slot tops up only missing ones.
+
 `activate(plan)` brings memory to the plan's state, releasing before admitting so that usage never
 exceeds the larger of the old and new budgets; a `between_sublayers` hook lets the engine re-plan
 mid-step (a budget drop never waits for a long prefill to finish).
@@ -24,7 +32,9 @@ from engine.models.rope import RotaryTable
 from engine.sharding.device import Accelerator
 from engine.sharding.kvcache import BLOCK_SIZE, PagedKVCache, Sequence
 from engine.sharding.memory import HEAD_ROWS_MAX as HEAD_ROWS
+from engine.sharding.memory import TENSOR_ALIGN as ALIGN
 from engine.sharding.plan import Placement, Plan
+from engine.sharding.spec import routed_streaming
 
 
 class Executor:
@@ -57,6 +67,15 @@ class Executor:
                 groups_i = cfg.expert_groups()
                 for g, experts in enumerate(groups_i):
                     self.moe_steps[f"layers.{i}.experts.{g}"] = (experts, g == len(groups_i) - 1)
+        # Routed expert streaming (see the module docstring): None = in the steps `routed_streaming`
+        # picks, True = in every step (tests), False = never (streamed groups are copied whole).
+        self.routed_experts: bool | None = None
+        self.routed_loads = 0                       # group loads that copied routed experts only (stats)
+        self._routed_now = False                    # this step copies routed experts only
+        self._routing: dict[int, list[int]] = {}    # layer -> its router's expert bounds, this step
+        self._pending: list[tuple[int, str]] = []   # (slot, sub-layer) loads not issued yet, in order
+        self.slot_valid: list = []                  # per slot: True (all of it), or the set of experts held
+        self._spans: dict[str, dict[int, tuple[int, int]]] = {}   # group -> expert -> its byte range
 
     # ---- memory state --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -95,6 +114,7 @@ class Executor:
             self.slot_content = [None] * n_slots
             self.slot_ready = [None] * n_slots
             self.slot_free_after = [None] * n_slots
+            self.slot_valid = [set() for _ in range(n_slots)]
         store.set_resident(resident)
         scratch = plan.vram.scratch
         accel.book(scratch, "scratch", f"scratch for {plan.tier}-token steps")
@@ -106,6 +126,7 @@ class Executor:
             if h is not None:
                 h.wait_host()
         self.slot_content, self.slot_ready, self.slot_free_after = [], [], []
+        self.slot_valid, self._pending = [], []
 
     def release_to_driver(self) -> None:
         if self.accel is not None:
@@ -116,11 +137,85 @@ class Executor:
         return [n for n in self.order if self.plan.placement[n] is Placement.STREAMED]
 
     def _load(self, slot: int, name: str) -> None:
+        """Give `slot` to `name` and queue its copy (issued now unless it waits for a router)."""
+        if self.slot_content[slot] != name:
+            self.slot_content[slot] = name
+            self.slot_valid[slot] = set()
+        self._pending.append((slot, name))
+        self._pump()
+
+    def _pump(self) -> None:
+        """Issue queued loads in order, up to the first routed expert group whose router has not run."""
+        while self._pending:
+            slot, name = self._pending[0]
+            # (a load the plan no longer streams, or whose slot went to another, is dropped)
+            if self.slot_content[slot] == name and self.plan.placement.get(name) is Placement.STREAMED:
+                experts = self._routed_experts(name)
+                if experts is False:
+                    return
+                self._issue(slot, name, experts)
+            self._pending.pop(0)
+
+    def _routed_experts(self, name: str):
+        """The experts of `name` to copy this step: None = the whole sub-layer, False = not known yet
+        (its router has not run), else the routed experts of the group."""
+        step = self.moe_steps.get(name)
+        if step is None or not self._routed_now:
+            return None
+        bounds = self._routing.get(int(name.split(".")[1]))
+        if bounds is None:
+            return False
+        return [e for e in step[0] if bounds[e + 1] > bounds[e]]
+
+    def _issue(self, slot: int, name: str, experts: list[int] | None) -> None:
+        """Copy `name` (or only `experts` of it) into `slot`, skipping what the slot already holds."""
+        valid = self.slot_valid[slot]
+        if valid is True:
+            return
         sw = self.store.sublayers[name]
-        dst = self.store.slots[slot][:sw.nbytes]
-        self.slot_ready[slot] = self.accel.copy_async(dst, sw.host, after=self.slot_free_after[slot])
-        self.slot_content[slot] = name
-        self.copied_bytes += sw.nbytes
+        buf = self.store.slots[slot]
+        if experts is None:
+            runs = [(0, sw.nbytes)]
+        else:
+            runs = self._expert_runs(name, [e for e in experts if e not in valid])
+        for a, b in runs:
+            self.slot_ready[slot] = self.accel.copy_async(buf[a:b], sw.host[a:b], after=self.slot_free_after[slot])
+            self.copied_bytes += b - a
+        if experts is None:
+            self.slot_valid[slot] = True
+        else:
+            valid.update(experts)
+            self.routed_loads += 1
+
+    def _expert_runs(self, name: str, experts: list[int]) -> list[tuple[int, int]]:
+        """Byte ranges of group `name`'s packed buffer holding `experts` (global ids), neighbours merged."""
+        spans = self._spans.get(name)
+        if spans is None:   # expert e: from its first tensor to the aligned end of its last
+            spans = {}
+            for t in self.store.sublayers[name].layout:
+                e = int(t.local.split(".")[1])
+                a, b = spans.get(e, (t.offset, 0))
+                spans[e] = (min(a, t.offset), max(b, -(-(t.offset + t.nbytes) // ALIGN) * ALIGN))
+            self._spans[name] = spans
+        out: list[tuple[int, int]] = []
+        for e in sorted(experts):
+            a, b = spans[e]
+            if out and out[-1][1] == a:
+                out[-1] = (out[-1][0], b)
+            else:
+                out.append((a, b))
+        return out
+
+    def _routed_ready(self, layer: int) -> None:
+        """The router of `layer` has run: issue its groups' queued loads and top up the routed experts
+        of its groups that already hold a slot."""
+        self._pump()
+        prefix = f"layers.{layer}.experts."
+        for slot, name in enumerate(self.slot_content):
+            if name is not None and name.startswith(prefix):
+                if (slot, name) in self._pending:        # behind a load that waits for a later router
+                    self._pending.remove((slot, name))
+                self._issue(slot, name, self._routed_experts(name))
 
     def _prime(self, streamed: list[str]) -> None:
         """Make sure the first streamed sub-layers are in (or on their way to) the slots."""
@@ -147,7 +242,12 @@ class Executor:
             return self.store.resident[name][1]
         if p is Placement.STREAMED:
             slot = self.slot_content.index(name)
-            self.slot_ready[slot].wait_compute()
+            if (slot, name) in self._pending:          # queued behind a load that waits: issue it now
+                self._pending.remove((slot, name))
+            experts = self._routed_experts(name)
+            self._issue(slot, name, None if experts is False else experts)   # copies only what is missing
+            if self.slot_ready[slot] is not None:      # None: nothing copied yet (no expert routed)
+                self.slot_ready[slot].wait_compute()
             return self.store.sublayers[name].views(self.store.slots[slot])
         return self.store.sublayers[name].host_views
 
@@ -174,7 +274,11 @@ class Executor:
             masks[gpu] = m.to(gpu) if isinstance(m, torch.Tensor) else m
         x = torch.tensor(ids, dtype=torch.long)
         streamed = self._streamed_order() if self.accel is not None else []
+        self._routing.clear()
+        self._routed_now = cfg.is_moe and (routed_streaming(cfg, n) if self.routed_experts is None
+                                           else self.routed_experts)
         if streamed:
+            self._pump()        # loads queued by the last step wait for routers only in routed steps
             self._prime(streamed)
         for name in self.order:
             if self.between_sublayers is not None and self.between_sublayers():
@@ -199,19 +303,27 @@ class Executor:
             elif name not in self.moe_steps:
                 x = dense.ffn_block(cfg, w, x)
             else:
-                x = self._moe_step(self.moe_steps[name], w, x)
+                x = self._moe_step(name, self.moe_steps[name], w, x)
             if streamed and self.plan.placement[name] is Placement.STREAMED:
                 self._after_streamed(name, streamed)
         seq.length = start + n
         seq.token_ids.extend(ids)
         return self._move(x, False)
 
-    def _moe_step(self, step: tuple[range, bool] | None, w, x):
+    def _moe_step(self, name: str, step: tuple[range, bool] | None, w, x):
+        layer = int(name.split(".")[1])
         if step is None:   # the router: its per-expert counts go to the host (a non-spinning wait on CUDA)
-            return moe.router_block(self.cfg, w, x, self._wait_gpu if x.device.type == "cuda" else None)
+            s = moe.router_block(self.cfg, w, x, self._wait_gpu if x.device.type == "cuda" else None)
+            self._routing[layer] = s.bounds
+            if self._routed_now and self.slot_content:
+                self._routed_ready(layer)
+            return s
         experts, last = step
         x = moe.experts_block(self.cfg, w, x, experts)
-        return moe.finish(x) if last else x
+        if last:
+            self._routing.pop(layer, None)
+            return moe.finish(x)
+        return x
 
     def _wait_gpu(self) -> None:
         self.accel.wait_event_host(self.accel.compute_event())

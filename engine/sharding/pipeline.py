@@ -13,7 +13,11 @@ The model:
   be in flight during a CPU sub-layer are exactly those whose slots were already free when it started, so
   they form one busy interval from its start), and copies run at the "copy beside CPU work" bandwidth in
   plans that mix streamed and CPU sub-layers;
-- the step ends with the output (logits) back on the host.
+- the step ends with the output (logits) back on the host;
+- in steps with routed expert streaming (`StepCosts.copy_gate`), the copy of a streamed expert group
+  cannot start before its layer's router has computed in the same step (the executor learns which
+  experts to copy from it), and costs only the routed experts' bytes (`StepCosts.copy_alone_ms` /
+  `copy_busy_ms`); such a copy holds back the copies queued behind it, as the executor's queue does.
 """
 
 from __future__ import annotations
@@ -48,18 +52,34 @@ class Pipeline:
         sidx = np.zeros((smax, B), dtype=np.int64)
         r, c = np.nonzero(is_str)
         sidx[ordn[r, c], c] = r
-        mixed = is_str.any(0) & ((pt == CPU) & compute_mask[:, None]).any(0)
-        self.ctab = np.where(mixed[None, :], copy_busy[sidx], copy_alone[sidx]).reshape(-1)  # [smax, B]
+        self.mixed = mixed = is_str.any(0) & ((pt == CPU) & compute_mask[:, None]).any(0)
+        self.sidx = sidx                                                      # [smax, B] sub-layer
+        self.ctab = self._ctab(copy_alone, copy_busy)
         self.cycles = n_str > self.n_slots
         self.n_copies = np.where(self.cycles, 2 * n_str + self.n_slots, n_str)
         self.safe_nstr = np.maximum(n_str, 1)
         self.str_rows = [np.nonzero(is_str[i])[0] for i in range(S)]
+        self.is_str = is_str
         self.uniform = [(bool(on_gpu[i].all()), not bool(on_gpu[i].any())) for i in range(S)]
+
+    def _ctab(self, copy_alone: np.ndarray, copy_busy: np.ndarray) -> np.ndarray:
+        """Flat [smax, B] copy time of each row's streamed sub-layers in order."""
+        return np.where(self.mixed[None, :], copy_busy[self.sidx], copy_alone[self.sidx]).reshape(-1)
 
     def run(self, costs: StepCosts, rho: float) -> np.ndarray:
         """Steady-state milliseconds per step of each row under one set of step costs."""
         S, B, n_slots, smax = self.S, self.B, self.n_slots, self.smax
         on_gpu, n_str, ordn, ctab, cycles = self.on_gpu, self.n_str, self.ordn, self.ctab, self.cycles
+        if costs.copy_alone_ms is not None:
+            ctab = self._ctab(costs.copy_alone_ms, costs.copy_busy_ms)
+        gate = costs.copy_gate
+        if gate is not None:
+            # Per row's streamed no.: the router it waits for (-1: none); its end time per step.
+            gtab = np.where(np.arange(smax)[:, None] < n_str[None, :], gate[self.sidx], -1).reshape(-1)
+            g_end = np.zeros(2 * smax * B)
+            gated_by = [np.nonzero(gate == i)[0] for i in range(S)]
+            gate_rows = [np.nonzero(self.is_str[g].any(0))[0] if len(g) else None for g in gated_by]
+        pos = 0                                         # sub-layers computed so far (steps x S + i)
         n_copies, safe_nstr, str_rows, uniform = self.n_copies, self.safe_nstr, self.str_rows, self.uniform
         cend = np.zeros((2 * smax + n_slots) * B)       # flat [Q, B]: end of copy q of row b at q * B + b
         e_str = np.zeros(2 * smax * B)                  # flat [2 smax, B]: compute end of streamed no. g
@@ -76,9 +96,18 @@ class Pipeline:
                 if not len(b):
                     return
                 q = qs[b]
+                start = np.zeros(len(b))
+                if gate is not None:                    # a routed copy waits for its router
+                    gq, sq = q % safe_nstr[b], q // safe_nstr[b]
+                    gi = gtab[gq * B + b]
+                    known = (gi < 0) | (sq * S + gi < pos)
+                    b, q, gq, sq, gi = b[known], q[known], gq[known], sq[known], gi[known]
+                    if not len(b):
+                        return
+                    start = np.where(gi >= 0, g_end[np.minimum(sq * smax + gq, 2 * smax - 1) * B + b], 0.0)
                 prev = np.where(q > 0, cend[np.maximum(q - 1, 0) * B + b], 0.0)
                 dep = np.where(q >= n_slots, e_str[np.maximum(q - n_slots, 0) * B + b], 0.0)
-                end = np.maximum(prev, dep) + ctab[(q % safe_nstr[b]) * B + b]
+                end = np.maximum(np.maximum(prev, dep), start) + ctab[(q % safe_nstr[b]) * B + b]
                 cend[q * B + b] = end
                 last[b] = end
                 qs[b] += 1
@@ -109,11 +138,17 @@ class Pipeline:
                     busy = np.maximum(last - ready, 0.0)       # copies in flight from `ready` on
                     d_cpu = np.minimum(w / rho, w + w_busy * busy) if rho < 1 else w
                     e = ready + d_cpu if all_cpu else ready + np.where(g, costs.gpu_ms[i], d_cpu)
+                pos += 1
                 if len(rows):
                     e[rows] += costs.stream_ms
                     e_str[gord * B + rows] = e[rows]
                     done[rows] += 1
                     schedule(rows)
+                if gate is not None and gate_rows[i] is not None and len(gate_rows[i]):
+                    for j in gated_by[i]:               # the router's groups may copy from its end on
+                        jr = self.str_rows[j]
+                        g_end[(step * smax + ordn[j, jr]) * B + jr] = e[jr] + costs.stream_ms
+                    schedule(gate_rows[i])
                 t = e
                 prev_gpu = g
             t = t + prev_gpu * costs.out_ms

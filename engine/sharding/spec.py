@@ -8,6 +8,10 @@ norm and the router matmul) and its expert groups (kind "experts", `layers.{i}.e
 group's `flops_per_token` is the expected work of one token under uniform routing (k of E experts each,
 so k * n_experts / E of this group's experts per token); `expected_experts` says how many distinct
 experts of the group a step of t tokens touches, which is what the CPU or GPU reads of its weights.
+
+A streamed expert group is copied whole, ahead of its router (prefetch), or, in steps where few of its
+experts are expected to be touched (`routed_streaming`), only the experts the router picked, once the
+router has run: the executor and the estimator apply the same rule.
 """
 
 from __future__ import annotations
@@ -17,6 +21,23 @@ from dataclasses import dataclass
 from engine.config import ModelConfig, weight_names
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A streamed expert group copies only its routed experts in steps expected to touch less than this
+# fraction of its experts (below it the bytes saved outweigh losing the copy's start before the router).
+ROUTED_STREAM_MAX = 0.5
+
+
+def touched_fraction(cfg: ModelConfig, n_tokens: float) -> float:
+    """Expected fraction of a MoE layer's experts that a step of `n_tokens` tokens routes to, under
+    uniform routing (each token picks k of the E experts at random): 1 - (1 - k/E)^t."""
+    if not cfg.num_experts:
+        return 0.0
+    miss = 1.0 - cfg.num_experts_per_tok / cfg.num_experts
+    return 1.0 - miss ** max(n_tokens, 0)
+
+
+def routed_streaming(cfg: ModelConfig, n_tokens: float) -> bool:
+    """Do streamed expert groups copy only their routed experts in a step of `n_tokens` tokens?"""
+    return cfg.is_moe and touched_fraction(cfg, n_tokens) < ROUTED_STREAM_MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,9 +107,7 @@ class ModelSpec:
         """Distinct experts of group `sub` that a step of `n_tokens` tokens touches, in expectation,
         assuming uniform routing (each token picks k of the E experts at random): an expert is missed
         by one token with probability 1 - k/E, so the group of n touches n * (1 - (1 - k/E)^t)."""
-        cfg = self.config
-        miss = 1.0 - cfg.num_experts_per_tok / cfg.num_experts
-        return sub.n_experts * (1.0 - miss ** max(n_tokens, 0))
+        return sub.n_experts * touched_fraction(self.config, n_tokens)
 
     def expert_bytes(self, sub: SubLayerSpec) -> int:
         """Bytes of one expert of group `sub` (its three matrices)."""
