@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.models.dense import rms_norm
+from engine.models.dense import linear, rms_norm
 
 
 @dataclass(slots=True)
@@ -60,7 +60,7 @@ def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, 
     """Norm, router and top-k of a MoE layer. `sync()`, when given, is called before the per-expert
     counts are read back to the host (a non-spinning wait for the GPU)."""
     h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
-    top_w, top_i = route(cfg, F.linear(h, w["router.weight"]))
+    top_w, top_i = route(cfg, linear(h, w["router.weight"]))
     flat = top_i.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=cfg.num_experts)
@@ -87,10 +87,10 @@ def experts_block(cfg: ModelConfig, w: dict[str, torch.Tensor], s: MoeState, exp
             continue
         hx = s.h if single else s.h[s.rows[a:b]]
         if gate_up is not None:
-            gate, up = F.linear(hx, gate_up[j]).chunk(2, dim=-1)
+            gate, up = linear(hx, gate_up[j]).chunk(2, dim=-1)
         else:
-            gate, up = F.linear(hx, w["experts.gate.weight"][j]), F.linear(hx, w["experts.up.weight"][j])
-        y = F.linear(F.silu(gate) * up, down[j])
+            gate, up = linear(hx, w["experts.gate.weight"][j]), linear(hx, w["experts.up.weight"][j])
+        y = linear(F.silu(gate) * up, down[j])
         if single:
             s.out.addcmul_(y, s.weights[a:b, None])
         else:
