@@ -215,11 +215,13 @@ static __attribute__((unused)) void dots_scalar(int dtype, const void *x, const 
 static void linear_rows(const linear_job *j, int64_t n_begin, int64_t n_end) {
     size_t es = j->dtype == DT_F32 ? 4 : 2;
     float out[ROWS][MTILE];
-    for (int64_t m0 = 0; m0 < j->M; m0 += MTILE) {
-        int nt = (int)(j->M - m0 < MTILE ? j->M - m0 : MTILE);
-        const void *xm = (const char *)j->x + (size_t)m0 * j->K * es;
-        for (int64_t n = n_begin; n < n_end; n += ROWS) {
-            int nr = (int)(n_end - n < ROWS ? n_end - n : ROWS);
+    /* rows outside, tokens inside: a block of ROWS weight rows is read from DRAM once and reused from the
+     * cache for every tile of tokens */
+    for (int64_t n = n_begin; n < n_end; n += ROWS) {
+        int nr = (int)(n_end - n < ROWS ? n_end - n : ROWS);
+        for (int64_t m0 = 0; m0 < j->M; m0 += MTILE) {
+            int nt = (int)(j->M - m0 < MTILE ? j->M - m0 : MTILE);
+            const void *xm = (const char *)j->x + (size_t)m0 * j->K * es;
 #if defined(__AVX512BF16__)
             if (j->dtype == DT_BF16) dots_bf16_dp(xm, j->w, j->K, nr, nt, n, out);
             else dots_avx512(j->dtype, xm, j->w, j->K, nr, nt, n, out);
