@@ -15,6 +15,7 @@ mid-step (a budget drop never waits for a long prefill to finish).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -25,6 +26,27 @@ from engine.sharding.device import Accelerator
 from engine.sharding.kvcache import BLOCK_SIZE, PagedKVCache, Sequence
 from engine.sharding.memory import HEAD_ROWS_MAX as HEAD_ROWS
 from engine.sharding.plan import Placement, Plan
+
+
+@dataclass(slots=True)
+class StepItem:
+    """One sequence's part of a step: its new tokens, and optionally every new token's logits, explicit
+    rotary positions ([n] or [3, n]) and image embedding rows (bool mask [n], rows [k, hidden])."""
+    seq: Sequence
+    ids: list[int]
+    all_logits: bool = False
+    positions: torch.Tensor | None = None
+    embeds: tuple | None = None
+
+
+@dataclass(slots=True)
+class _Segment:
+    """Where a sequence's tokens sit in a batched step."""
+    seq: Sequence
+    start: int            # cache index of its first new token
+    row: int              # its first row in the step's activations
+    n: int
+    masks: dict           # attention mask per device
 
 
 class Executor:
@@ -161,18 +183,41 @@ class Executor:
         positions: rotary positions ([n], or [3, n] for M-RoPE); default cache index + seq.rope_delta.
         embeds: (bool mask [n], rows [k, hidden]) replacing the embeddings of the masked tokens (images).
         """
-        cfg, n, start = self.cfg, len(ids), seq.length
-        self.kv.reserve(seq, n)
-        if positions is None:
-            positions = torch.arange(start, start + n) + seq.rope_delta
-        gpu = self.accel.device if self.accel is not None else None
-        cos_sin = {torch.device("cpu"): self.rope.cos_sin(positions, torch.device("cpu"), self.dtype)}
-        masks = {torch.device("cpu"): dense.attention_mask(n, start, cfg.sliding_window, "cpu")}
-        if gpu is not None and gpu.type != "cpu":
-            cos_sin[gpu] = tuple(t.to(gpu) for t in cos_sin[torch.device("cpu")])
-            m = masks[torch.device("cpu")]
-            masks[gpu] = m.to(gpu) if isinstance(m, torch.Tensor) else m
-        x = torch.tensor(ids, dtype=torch.long)
+        return self.forward_batch([StepItem(seq, ids, all_logits, positions, embeds)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list[StepItem]) -> list[torch.Tensor]:
+        """One step over several sequences, each with its own new tokens (a decode token or a prefill
+        chunk). Embedding, projections, FFNs, experts and head run once over all the step's tokens (the
+        weights are read, or streamed, once per step); attention runs per sequence against its own KV
+        cache, positions and mask. Returns each item's logits as `forward` does."""
+        cfg = self.cfg
+        cpu = torch.device("cpu")
+        gpu = self.accel.device if self.accel is not None and self.accel.kind == "cuda" else None
+        segs, cos, sin, row = [], [], [], 0
+        for it in items:
+            n, start = len(it.ids), it.seq.length
+            if n == 0:
+                raise ValueError("a step item needs at least one new token")
+            self.kv.reserve(it.seq, n)
+            pos = it.positions if it.positions is not None else torch.arange(start, start + n) + it.seq.rope_delta
+            c, s_ = self.rope.cos_sin(pos, cpu, self.dtype)
+            cos.append(c)
+            sin.append(s_)
+            mask = dense.attention_mask(n, start, cfg.sliding_window, "cpu")
+            masks = {cpu: mask}
+            if gpu is not None:
+                masks[gpu] = mask.to(gpu) if isinstance(mask, torch.Tensor) else mask
+            segs.append(_Segment(it.seq, start, row, n, masks))
+            row += n
+        cos_sin = {cpu: (torch.cat(cos), torch.cat(sin)) if len(items) > 1 else (cos[0], sin[0])}
+        if gpu is not None:
+            cos_sin[gpu] = tuple(t.to(gpu) for t in cos_sin[cpu])
+        x = torch.tensor([t for it in items for t in it.ids], dtype=torch.long)
+        image_rows = [(seg.row, it.embeds) for seg, it in zip(segs, items) if it.embeds is not None]
+        # Rows the head computes: every row of an item that wants all logits, else its last row.
+        head_rows = [r for seg, it in zip(segs, items)
+                     for r in (range(seg.row, seg.row + seg.n) if it.all_logits else (seg.row + seg.n - 1,))]
         streamed = self._streamed_order() if self.accel is not None else []
         if streamed:
             self._prime(streamed)
@@ -188,23 +233,32 @@ class Executor:
             dev = x.device
             if name == "embed":
                 x = dense.embed_tokens(w, x)
-                if embeds is not None:
-                    mask, rows = embeds
-                    x[mask.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
+                for at, (mask, rows) in image_rows:
+                    part = x[at:at + mask.shape[0]]
+                    part[mask.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
             elif name == "head":
-                x = self._head(w, x if all_logits else x[-1:])
+                if len(head_rows) < x.shape[0]:
+                    x = x[torch.tensor(head_rows, device=dev)] if len(head_rows) > 1 else x[head_rows[0]:head_rows[0] + 1]
+                x = self._head(w, x)
             elif name.endswith(".attn"):
                 layer = int(name.split(".")[1])
-                x = self._attention(layer, w, x, seq, start, cos_sin[dev], masks[dev])
+                x = self._attention(layer, w, x, segs, cos_sin[dev], dev)
             elif name not in self.moe_steps:
                 x = dense.ffn_block(cfg, w, x)
             else:
                 x = self._moe_step(self.moe_steps[name], w, x)
             if streamed and self.plan.placement[name] is Placement.STREAMED:
                 self._after_streamed(name, streamed)
-        seq.length = start + n
-        seq.token_ids.extend(ids)
-        return self._move(x, False)
+        for seg, it in zip(segs, items):
+            seg.seq.length = seg.start + seg.n
+            seg.seq.token_ids.extend(it.ids)
+        logits = self._move(x, False)
+        out, at = [], 0
+        for seg, it in zip(segs, items):
+            k = seg.n if it.all_logits else 1
+            out.append(logits[at:at + k])
+            at += k
+        return out
 
     def _moe_step(self, step: tuple[range, bool] | None, w, x):
         if step is None:   # the router: its per-expert counts go to the host (a non-spinning wait on CUDA)
@@ -224,19 +278,22 @@ class Executor:
         return torch.cat([self._move(dense.output_head(self.cfg, w, x[i:i + HEAD_ROWS]), False)
                           for i in range(0, x.shape[0], HEAD_ROWS)])
 
-    def _attention(self, layer, w, x, seq, start, cos_sin, mask):
+    def _attention(self, layer, w, x, segs: list[_Segment], cos_sin, dev):
         want_gpu = self.plan.placement[f"layers.{layer}.attn"] is not Placement.CPU
         if self.kv.pools[layer].on_gpu != want_gpu:
             self.kv.place_layer(layer, want_gpu)
-        length = start + x.shape[0]
+        gqa = self.cfg.num_kv_heads != self.cfg.num_heads
 
-        def write(k, v):
-            self.kv.write(layer, seq, start, k, v)
+        def attend(q, k, v):
+            outs = []
+            for seg in segs:
+                rows = slice(seg.row, seg.row + seg.n)
+                self.kv.write(layer, seg.seq, seg.start, k[:, rows], v[:, rows])
+                keys, values = self.kv.read(layer, seg.seq, seg.start + seg.n)
+                outs.append(dense._attend(q[:, rows], keys, values, seg.masks[dev], gqa))
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
-        def read():
-            return self.kv.read(layer, seq, length)
-
-        return dense.attention_block(self.cfg, w, x, cos_sin[0], cos_sin[1], write, read, mask)
+        return dense.attention_block(self.cfg, w, x, cos_sin[0], cos_sin[1], None, None, None, attend=attend)
 
     def _move(self, x: torch.Tensor, to_gpu: bool) -> torch.Tensor:
         if self.accel is None or self.accel.kind == "sim":

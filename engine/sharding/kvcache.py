@@ -95,7 +95,7 @@ class PagedKVCache:
         self.block_of: dict[int, int] = {}                  # chain hash -> cached block
         self.evictable: OrderedDict[int, None] = OrderedDict()   # cached, unused; oldest first
         self.prefix_stats = {"lookups": 0, "prompt_tokens": 0, "hit_tokens": 0}
-        self._slot_memo: tuple = (None, None)
+        self._index_memo: dict[tuple, torch.Tensor] = {}   # pool-row and block indexes of recent steps
         self.block_bytes = self.pools[0].block_bytes() if self.pools else 0
 
     # ---- block allocation ----------------------------------------------------------------------
@@ -231,16 +231,25 @@ class PagedKVCache:
             part.view(-1, *part.shape[2:]).index_copy_(0, flat, value.to(part.dtype))
 
     def _slot_index(self, seq: Sequence, start: int, n: int, device: torch.device) -> torch.Tensor:
-        """Flat pool rows of positions start..start+n-1, computed once per step and device (every layer
-        of a step writes the same rows)."""
+        """Flat pool rows of positions start..start+n-1, computed once per step, sequence and device
+        (every layer of a step writes the same rows)."""
         blocks = tuple(seq.block_table[start // BLOCK_SIZE:(start + n - 1) // BLOCK_SIZE + 1])
-        key = (start, n, blocks, device)
-        if self._slot_memo[0] != key:
+        key = ("rows", start, n, blocks, device)
+        flat = self._index_memo.get(key)
+        if flat is None:
             pos = torch.arange(start, start + n)
             table = torch.tensor(blocks, dtype=torch.long)
             flat = table[pos // BLOCK_SIZE - start // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-            self._slot_memo = (key, flat.to(device))
-        return self._slot_memo[1]
+            flat = self._memo_index(key, flat, device)
+        return flat
+
+    def _memo_index(self, key: tuple, index: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Keep an index tensor (moved to `device` once: a copy to the GPU waits for its queue) for the
+        other layers of the step; the memo holds the last few steps' indexes of a batch."""
+        if len(self._index_memo) >= 1024:
+            self._index_memo.clear()
+        index = self._index_memo[key] = index.to(device)
+        return index
 
     def read(self, layer: int, seq: Sequence, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first `length` positions: [kv_heads, length, head_dim] each."""
@@ -250,7 +259,10 @@ class PagedKVCache:
         if blocks == list(range(blocks[0], blocks[0] + nb)):
             parts = [p[blocks[0]:blocks[0] + nb] for p in pool.parts]
         else:
-            idx = torch.tensor(blocks, dtype=torch.long, device=pool.k.device)
+            key = ("blocks", tuple(blocks), pool.k.device)
+            idx = self._index_memo.get(key)
+            if idx is None:
+                idx = self._memo_index(key, torch.tensor(blocks, dtype=torch.long), pool.k.device)
             parts = [p.index_select(0, idx) for p in pool.parts]
         parts = [p.reshape(-1, *p.shape[2:])[:length] for p in parts]
         if pool.fp8:
