@@ -171,7 +171,7 @@ class Scheduler:
         self._lock = threading.Lock()          # guards `waiting` against add() from other threads
         self._admitted = itertools.count()
         self.counters = {"steps": 0, "preemptions": 0, "batch_size": 0, "batch_tokens": 0,
-                         "max_batch_size": 0, "finished": 0}
+                         "max_batch_size": 0, "finished": 0, "preemptions_to_host": 0}
 
     # ---- from any thread ----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -291,7 +291,8 @@ class Scheduler:
                 if req.vision is not None and start < len(req.prompt) < end:
                     end = len(req.prompt)          # image prompts: a chunk never mixes prompt and output
                 budget -= end - start
-                item = StepItem(req.seq, req.tokens[start:end], **self.engine._chunk_inputs(req.vision, start, end))
+                inputs = self.engine._chunk_inputs(req.vision, start, end)
+                item = StepItem(req.seq, req.tokens[start:end], **inputs)
                 plan.append(_Entry(req, item))
             self._propose(plan, budget)
             new_blocks = sum(blocks_for(e.req.seq.length + len(e.item.ids)) - len(e.req.seq.block_table)
@@ -367,6 +368,7 @@ class Scheduler:
         stay in the prefix cache, so usually only the last partial block is computed again)."""
         offload = getattr(self.kv, "offload", None)
         if offload is not None and offload(req.seq):
+            self.counters["preemptions_to_host"] += 1
             return
         self.kv.release(req.seq)
         req.seq = None

@@ -251,7 +251,7 @@ class TorchEngine(Engine):
         b = self.scheduler.stats()
         s.update(running=b["running"], waiting=b["waiting"], batch_size=b["batch_size"],
                  batch_tokens=b["batch_tokens"], max_batch_size=b["max_batch_size"], batch_steps=b["steps"],
-                 preemptions=b["preemptions"])
+                 preemptions=b["preemptions"], preemptions_to_host=b["preemptions_to_host"])
         return s
 
     # ---- running steps -------------------------------------------------------------------------

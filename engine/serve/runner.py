@@ -4,8 +4,8 @@
 that hangs up while queued leaves the queue), starts the generation, and hands back a `Generation`
 whose `pieces()` stream the text. An engine that batches (it has `submit`) takes requests side by side:
 they hold the gate shared and share the engine's batched steps, each request its own stream; other
-engines run one generation at a time (`engine.generate`, the gate held exclusively). Input the engine refuses (a prompt over the context, images for a
-text-only model) becomes a 400 before anything is sent. A client that hangs up mid-generation cancels
+engines run one generation at a time (`engine.generate`, the gate held exclusively). Input the engine
+refuses (a prompt over the context, images for a text-only model) becomes a 400 before anything is sent. A client that hangs up mid-generation cancels
 it (the engine stops after its current step). The same slot works for the standalone server and inside
 the app's worker, where the worker's chat jobs share the gate.
 """

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.config import ModelConfig, weight_names
 from engine.models import dense, moe
@@ -39,7 +40,7 @@ class StepItem:
     embeds: tuple | None = None
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Segment:
     """Where a sequence's tokens sit in a batched step."""
     seq: Sequence
@@ -47,6 +48,33 @@ class _Segment:
     row: int              # its first row in the step's activations
     n: int
     masks: dict           # attention mask per device
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    """The sequences of a step that decode one token with nothing masked: their attention runs as one
+    call over their padded caches. rows: their rows in the step's activations, per device."""
+    segs: list[_Segment]
+    rows: dict
+
+    @staticmethod
+    def of(segs: list[_Segment], gpu) -> _DecodeGroup | None:
+        decode = [s for s in segs if s.n == 1 and s.masks[torch.device("cpu")] is None]
+        if len(decode) < 2:
+            return None
+        rows = {torch.device("cpu"): torch.tensor([s.row for s in decode])}
+        if gpu is not None:
+            rows[gpu] = rows[torch.device("cpu")].to(gpu)
+        return _DecodeGroup(decode, rows)
+
+
+def _attend_padded(q, keys, values, valid, gqa: bool) -> torch.Tensor:
+    """q [B, heads, 1, head_dim] against keys/values [B, kv_heads, L, head_dim] where valid [B, L]."""
+    if gqa and q.device.type == "cuda":   # the masked kernel takes no grouped heads: expand them
+        rep = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, None, None, :], enable_gqa=gqa)
 
 
 class Executor:
@@ -200,7 +228,9 @@ class Executor:
             if n == 0:
                 raise ValueError("a step item needs at least one new token")
             self.kv.reserve(it.seq, n)
-            pos = it.positions if it.positions is not None else torch.arange(start, start + n) + it.seq.rope_delta
+            pos = it.positions
+            if pos is None:
+                pos = torch.arange(start, start + n) + it.seq.rope_delta
             c, s_ = self.rope.cos_sin(pos, cpu, self.dtype)
             cos.append(c)
             sin.append(s_)
@@ -211,6 +241,7 @@ class Executor:
             segs.append(_Segment(it.seq, start, row, n, masks))
             row += n
         cos_sin = {cpu: (torch.cat(cos), torch.cat(sin)) if len(items) > 1 else (cos[0], sin[0])}
+        decode = _DecodeGroup.of(segs, gpu)
         if gpu is not None:
             cos_sin[gpu] = tuple(t.to(gpu) for t in cos_sin[cpu])
         x = torch.tensor([t for it in items for t in it.ids], dtype=torch.long)
@@ -237,12 +268,14 @@ class Executor:
                     part = x[at:at + mask.shape[0]]
                     part[mask.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
             elif name == "head":
-                if len(head_rows) < x.shape[0]:
-                    x = x[torch.tensor(head_rows, device=dev)] if len(head_rows) > 1 else x[head_rows[0]:head_rows[0] + 1]
+                if len(head_rows) == 1:
+                    x = x[head_rows[0]:head_rows[0] + 1]
+                elif len(head_rows) < x.shape[0]:
+                    x = x[torch.tensor(head_rows, device=dev)]
                 x = self._head(w, x)
             elif name.endswith(".attn"):
                 layer = int(name.split(".")[1])
-                x = self._attention(layer, w, x, segs, cos_sin[dev], dev)
+                x = self._attention(layer, w, x, segs, decode, cos_sin[dev], dev)
             elif name not in self.moe_steps:
                 x = dense.ffn_block(cfg, w, x)
             else:
@@ -278,20 +311,31 @@ class Executor:
         return torch.cat([self._move(dense.output_head(self.cfg, w, x[i:i + HEAD_ROWS]), False)
                           for i in range(0, x.shape[0], HEAD_ROWS)])
 
-    def _attention(self, layer, w, x, segs: list[_Segment], cos_sin, dev):
+    def _attention(self, layer, w, x, segs: list[_Segment], decode: _DecodeGroup | None, cos_sin, dev):
         want_gpu = self.plan.placement[f"layers.{layer}.attn"] is not Placement.CPU
         if self.kv.pools[layer].on_gpu != want_gpu:
             self.kv.place_layer(layer, want_gpu)
         gqa = self.cfg.num_kv_heads != self.cfg.num_heads
 
         def attend(q, k, v):
-            outs = []
-            for seg in segs:
-                rows = slice(seg.row, seg.row + seg.n)
-                self.kv.write(layer, seg.seq, seg.start, k[:, rows], v[:, rows])
-                keys, values = self.kv.read(layer, seg.seq, seg.start + seg.n)
-                outs.append(dense._attend(q[:, rows], keys, values, seg.masks[dev], gqa))
-            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            self.kv.write_many(layer, [(s.seq, s.start, s.n) for s in segs], k, v)
+            if len(segs) == 1:
+                s = segs[0]
+                keys, values = self.kv.read(layer, s.seq, s.start + s.n)
+                return dense._attend(q, keys, values, s.masks[dev], gqa)
+            out = torch.empty_like(q)
+            if decode is not None:    # the decode tokens: one padded attention over their caches
+                keys, values, valid = self.kv.read_padded(layer, [(s.seq, s.start + 1) for s in decode.segs])
+                rows = decode.rows[dev]
+                qd = q.index_select(1, rows).transpose(0, 1).unsqueeze(2)       # [B, heads, 1, head_dim]
+                od = _attend_padded(qd, keys, values, valid, gqa)
+                out.index_copy_(1, rows, od.squeeze(2).transpose(0, 1))
+            for s in segs:
+                if decode is None or s not in decode.segs:
+                    keys, values = self.kv.read(layer, s.seq, s.start + s.n)
+                    out[:, s.row:s.row + s.n] = dense._attend(q[:, s.row:s.row + s.n], keys, values,
+                                                              s.masks[dev], gqa)
+            return out
 
         return dense.attention_block(self.cfg, w, x, cos_sin[0], cos_sin[1], None, None, None, attend=attend)
 

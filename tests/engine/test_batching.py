@@ -138,6 +138,8 @@ def test_preemption_under_a_tiny_kv_limit(tiny_model, arch, device, kind):
         assert c.text == "".join(x for _, x, _ in want)
     stats = eng.stats()
     assert stats["preemptions"] > 0 and max(held) <= limit and len(steps) > 0
+    # Preempted KV goes to the host-RAM tier where the cache has one (then comes back by copy).
+    assert stats["preemptions_to_host"] == (stats["preemptions"] if hasattr(eng.executor.kv, "offload") else 0)
     assert_nothing_held(eng)
     eng.close()
 
@@ -318,4 +320,39 @@ def test_ngram_speculation_in_the_batch_keeps_greedy_output(tiny_model, arch):
     stats = eng.stats()
     assert stats["spec_proposed"] > 0 and stats["spec_accepted"] > 0
     assert_nothing_held(eng)
+    eng.close()
+
+
+def test_images_in_the_batch(tiny_model):
+    from tests.engine.vision_fixtures import picture
+
+    path = tiny_model("qwen2_5_vl")
+    asks = [([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}],
+             [picture(123, 77)]),
+            ([{"role": "user", "content": "Hello there, what is new?"}], None),
+            ([{"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"},
+                                           {"type": "image"}]}], [picture(300, 500), picture(64, 64)])]
+    ref = engine.open_model(path, device="cpu", backend="torch", speculative=False, n_ctx=256)
+    want = [events(ref.generate(m, images=im, max_new_tokens=40)) for m, im in asks]
+    for device in ("cpu", "sim"):
+        # A KV limit of one context: the image requests are read in chunks, preempted and recomputed.
+        eng = engine.open_model(path, device=device, backend="torch", n_ctx=256, max_kv_tokens=256,
+                                max_step_tokens=STEP_TOKENS, speculative=False)
+        handles = [eng.submit(m, images=im, max_new_tokens=40, background=False) for m, im in asks]
+        drain(eng)
+        for h, w in zip(handles, want):
+            assert events(h) == w
+        assert eng.stats()["max_batch_size"] == 3 and eng.stats()["preemptions"] >= 1
+        assert_nothing_held(eng)
+        eng.close()
+
+
+def test_fp8_kv_cache_in_the_batch(tiny_model):
+    path = tiny_model("qwen3")
+    ref = engine.open_model(path, device="cpu", backend="torch", kv_dtype="fp8", speculative=False)
+    want = [events(ref.generate(p, max_new_tokens=20)) for p in PROMPTS]
+    eng = open_batched(path, "cpu", None, kv_dtype="fp8")
+    handles = [eng.submit(p, max_new_tokens=20, background=False) for p in PROMPTS]
+    drain(eng)
+    assert [events(h) for h in handles] == want
     eng.close()
