@@ -28,6 +28,9 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+
+from engine.errors import OutOfBudgetError
 from engine.generation import CancelToken, GenerationEvent, Sampler, SamplingParams, token_events
 from engine.sharding.executor import StepItem
 from engine.sharding.kvcache import BLOCK_SIZE, Sequence, block_hashes
@@ -256,7 +259,21 @@ class Scheduler:
                 if self.running and self.blocks_in_use() + need + len(self.running) > self.limit_blocks:
                     return
                 self.waiting.popleft()
-            self._resume(req)
+            try:
+                # Plan for the KV it brings (blocks copied back from host RAM need room in the pools).
+                self.engine._ensure_kv_capacity((self.blocks_in_use() + need) * BLOCK_SIZE)
+                self._resume(req)
+            except (OutOfBudgetError, torch.OutOfMemoryError) as exc:
+                if req.seq is not None and not getattr(req.seq, "host_slots", None):
+                    self.kv.release(req.seq)
+                    req.seq = None
+                if not self.running:         # nothing else runs: no room will come back for it
+                    req.error = exc
+                    self._retire(req)
+                    continue
+                with self._lock:
+                    self.waiting.appendleft(req)
+                return
             req.state = "running"
             req.admitted = next(self._admitted)
             self.running.append(req)
@@ -398,13 +415,14 @@ class Scheduler:
             self.counters["finished"] += 1
             req.out.put(_END)
 
-    def cancel_all(self) -> None:
-        """Finish every request (the engine is closing)."""
-        for req in list(self.running):
-            req.cancel_token.cancel()
-            self._retire(req)
+    def cancel_all(self, error: BaseException | None = None) -> None:
+        """Finish every request: cancelled (the engine is closing), or failed with `error` (their readers
+        get it raised)."""
         with self._lock:
             waiting, self.waiting = list(self.waiting), collections.deque()
-        for req in waiting:
-            req.cancel_token.cancel()
+        for req in list(self.running) + waiting:
+            if error is None:
+                req.cancel_token.cancel()
+            else:
+                req.error = error
             self._retire(req)

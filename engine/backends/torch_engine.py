@@ -356,7 +356,14 @@ class TorchEngine(Engine):
                     self._batch_cond.wait()
                 if self._batch_closing:
                     return
-            if not self.step_batch():
+            try:
+                stepped = self.step_batch()
+            except Exception as exc:  # noqa: BLE001 - readers get the error; the loop serves on
+                with self._lock:
+                    if self.executor is not None:
+                        self.scheduler.cancel_all(error=exc)
+                stepped = True
+            if not stepped:
                 with self._batch_cond:
                     self._batch_cond.wait(0.01)
 

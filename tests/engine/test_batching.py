@@ -131,8 +131,9 @@ def test_preemption_under_a_tiny_kv_limit(tiny_model, arch, device, kind):
 
     eng._step_batch = watch
     prompts = [f"{w} " * 30 + "and then" for w in ("alpha", "bravo", "charlie", "delta")]
-    got = eng.generate_batch(prompts, max_new_tokens=80)
-    for p, c in zip(prompts, got):
+    handles = [eng.submit(p, max_new_tokens=80, background=False) for p in prompts]
+    drain(eng)
+    for p, c in zip(prompts, [h.result() for h in handles]):
         want = alone(path, p, max_new_tokens=80)
         assert c.token_ids[:len(want) - 1] == [t for t, _, _ in want[:-1]] and c.finish_reason == want[-1][2]
         assert c.text == "".join(x for _, x, _ in want)
@@ -255,7 +256,8 @@ def test_concurrent_http_clients_share_batched_steps(tiny_model):
     from tests.serve.conftest import KEY, request
 
     path = tiny_model("llama")
-    eng = open_batched(path, "cpu", None)
+    # Steps of up to 256 tokens: the first step reads every queued prompt, so all five share it.
+    eng = engine.open_model(path, device="cpu", backend="torch", max_step_tokens=256)
     srv = ApiServer(EngineSlot(eng), KEY, port=0)
     srv.start()
     client = openai.OpenAI(api_key=KEY, base_url=srv.address, max_retries=0, timeout=120)
@@ -355,4 +357,28 @@ def test_fp8_kv_cache_in_the_batch(tiny_model):
     handles = [eng.submit(p, max_new_tokens=20, background=False) for p in PROMPTS]
     drain(eng)
     assert [events(h) for h in handles] == want
+    eng.close()
+
+
+def test_a_failing_step_fails_its_requests_and_the_batch_goes_on(tiny_model):
+    path = tiny_model("llama")
+    eng = open_batched(path, "cpu", None)
+    run = eng._step_batch
+    calls = []
+
+    def fail_third(items):
+        calls.append(len(items))
+        if len(calls) == 3:
+            raise RuntimeError("the device went away")
+        return run(items)
+
+    eng._step_batch = fail_third
+    first = [eng.submit(p, max_new_tokens=10, background=False) for p in PROMPTS[:2]]
+    drain(eng)
+    for h in first:
+        with pytest.raises(RuntimeError, match="the device went away"):
+            h.result()
+    assert eng.generate_batch(PROMPTS[2:4], max_new_tokens=10)[0].text == \
+        "".join(t for _, t, _ in alone(path, PROMPTS[2], max_new_tokens=10))
+    assert_nothing_held(eng)
     eng.close()
