@@ -4,6 +4,10 @@ Devices: "cpu" (no accelerator, everything on the CPU), "sim" (the CPU standing 
 placement, streaming and byte accounting as on CUDA), "cuda"/"cuda:N". `set_vram_budget` may be called
 from any thread at any time: a running step picks the new budget up at its next sub-layer boundary,
 releases what no longer fits, hands the memory back to the driver and goes on; nothing is recomputed.
+
+`generate` runs one request at a time; `submit` (and `generate_batch`) put requests into one running batch
+(`engine.scheduler`), whose steps run on a background thread and interleave with `generate` and `score`
+at step boundaries.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ def _is_vl_folder(path) -> bool:
     from engine.loading.hf_vision import is_vl_folder
 
     return Path(path).is_dir() and is_vl_folder(Path(path))
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve_device(device: str) -> str:
@@ -91,9 +99,13 @@ class TorchEngine(Engine):
         # KV capacity planned for: starts small (short chats get better plans) and grows with the
         # conversation (or the batch), each growth a re-plan, up to `max_kv_tokens`: the most the
         # sequences of a batch hold together (at least one full context).
-        if max_kv_tokens is not None and int(max_kv_tokens) < self.context_length:
-            raise BadInputError(f"max_kv_tokens={max_kv_tokens}: must hold at least one context of "
-                                f"{self.context_length} tokens")
+        if max_kv_tokens is not None and (not _whole(max_kv_tokens) or max_kv_tokens < self.context_length):
+            raise BadInputError(f"max_kv_tokens={max_kv_tokens!r}: expected a number of tokens that holds at "
+                                f"least one context ({self.context_length} tokens)")
+        if not _whole(max_batch) or max_batch < 1:
+            raise BadInputError(f"max_batch={max_batch!r}: expected a number of requests, 1 or more")
+        if max_step_tokens is not None and (not _whole(max_step_tokens) or max_step_tokens < 1):
+            raise BadInputError(f"max_step_tokens={max_step_tokens!r}: expected a number of tokens, 1 or more")
         self.max_kv_tokens = int(max_kv_tokens or 4 * self.context_length)
         self.kv_tokens = self._kv_capacity(min(self.context_length, INITIAL_KV_TOKENS))
         if kv_dtype not in (None, "fp8"):

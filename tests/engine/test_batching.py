@@ -232,8 +232,10 @@ def test_bad_input_raises_at_submit(tiny_model):
         eng.submit("word " * 400)
     with pytest.raises(BadInputError, match="temperature"):
         eng.submit("hi", temperature=-1)
-    with pytest.raises(BadInputError, match="max_kv_tokens"):
-        engine.open_model(tiny_model("llama"), device="cpu", backend="torch", max_kv_tokens=16)
+    for option, value in (("max_kv_tokens", 16), ("max_kv_tokens", "lots"), ("max_batch", 0),
+                          ("max_step_tokens", 0)):
+        with pytest.raises(BadInputError, match=option):
+            engine.open_model(tiny_model("llama"), device="cpu", backend="torch", **{option: value})
     assert eng.submit("hi", max_new_tokens=0).result().token_ids == []
     eng.close()
 
