@@ -8,12 +8,11 @@ supplies `_token_stream` (token ids, one per step) and `score`; the torch backen
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from engine.errors import BadInputError, ContextLengthError
-from engine.generation import CancelToken, GenerationEvent, SamplingParams, TextStream
+from engine.generation import CancelToken, GenerationEvent, SamplingParams, token_events
 
 
 class Engine:
@@ -69,56 +68,28 @@ class Engine:
                  cancel: CancelToken | None = None) -> Iterator[GenerationEvent]:
         """Stream events; the last one has `finish_reason` set. Validation happens before the first
         event is requested, so bad input raises at the call."""
+        ids, params = self.prepare_request(prompt_or_messages, max_new_tokens, temperature, top_p, top_k,
+                                           stop, images, seed)
+        return self._generate(ids, params, cancel or CancelToken(), images)
+
+    def prepare_request(self, prompt_or_messages, max_new_tokens: int = 256, temperature: float = 0.0,
+                        top_p: float = 1.0, top_k: int = 0, stop=None, images=None,
+                        seed: int | None = None) -> tuple[list[int], SamplingParams]:
+        """Checked sampling parameters and the prompt's token ids, with max_new_tokens cut to the context."""
         params = SamplingParams.make(max_new_tokens, temperature, top_p, top_k, stop, seed)
         ids = self.encode_prompt(prompt_or_messages, images)
         params.max_new_tokens = self.check_context(len(ids), params.max_new_tokens)
-        token = cancel or CancelToken()
-        return self._generate(ids, params, token, images)
+        return ids, params
 
     def _generate(self, ids: list[int], params: SamplingParams, cancel: CancelToken,
                   images) -> Iterator[GenerationEvent]:
         with self._lock:
             self._cancel = cancel
-            stream = TextStream(self.tokenizer, params.stop)
-            eos = set(self.tokenizer.eos_token_ids)
-            t0 = time.perf_counter()
-            t_first = None
-            n = 0
-            reason = "length"
             try:
-                for tid in self._token_stream(ids, params, cancel, images):
-                    now = time.perf_counter()
-                    if t_first is None:
-                        t_first = now
-                        self._stats.update(ttft_s=now - t0, prompt_tokens=len(ids),
-                                           prefill_tokens_per_s=len(ids) / max(now - t0, 1e-9))
-                    n += 1
-                    if tid in eos:
-                        reason = "eos"
-                        break
-                    piece = stream.push(tid)
-                    if stream.stopped:
-                        if piece:
-                            yield GenerationEvent(piece, tid, None, n - 1)
-                        reason = "stop"
-                        break
-                    yield GenerationEvent(piece, tid, None, n - 1)
-                    if cancel.cancelled:
-                        reason = "cancelled"
-                        break
-                    if n >= params.max_new_tokens:
-                        break
-                else:
-                    if cancel.cancelled:
-                        reason = "cancelled"
+                yield from token_events(self._token_stream(ids, params, cancel, images), self.tokenizer,
+                                        len(ids), params, cancel, self._stats)
             finally:
-                end = time.perf_counter()
-                if t_first is not None and n > 1:
-                    self._stats["decode_tokens_per_s"] = (n - 1) / max(end - t_first, 1e-9)
-                self._stats["generated_tokens"] = n
                 self._cancel = None
-            tail = stream.flush() if reason in ("length", "eos", "cancelled") else ""
-            yield GenerationEvent(tail, None, reason, n)
 
     def _token_stream(self, ids: list[int], params: SamplingParams, cancel: CancelToken,
                       images) -> Iterator[int]:

@@ -7,6 +7,8 @@ UTF-8 character, and holds back text that might still become a stop string.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -143,3 +145,55 @@ class CancelToken:
     @property
     def cancelled(self) -> bool:
         return self._event.is_set()
+
+
+def token_events(tokens: Iterator[int], tokenizer, n_prompt: int, params: SamplingParams, cancel: CancelToken,
+                 stats: dict | None = None, t0: float | None = None) -> Iterator[GenerationEvent]:
+    """Events of a generation from its token ids: text pieces, then one final event whose finish_reason
+    is "eos" (an end-of-sequence token, not shown), "stop" (a stop string), "cancelled" or "length".
+    `stats` (if given) receives ttft_s, prompt_tokens, prefill_tokens_per_s, decode_tokens_per_s and
+    generated_tokens (times from `t0`, default the first request for an event). The token iterator is
+    closed when the events end."""
+    stats = {} if stats is None else stats
+    stream = TextStream(tokenizer, params.stop)
+    eos = set(tokenizer.eos_token_ids)
+    t0 = time.perf_counter() if t0 is None else t0
+    t_first = None
+    n = 0
+    reason = "length"
+    try:
+        for tid in tokens:
+            now = time.perf_counter()
+            if t_first is None:
+                t_first = now
+                stats.update(ttft_s=now - t0, prompt_tokens=n_prompt,
+                             prefill_tokens_per_s=n_prompt / max(now - t0, 1e-9))
+            n += 1
+            if tid in eos:
+                reason = "eos"
+                break
+            piece = stream.push(tid)
+            if stream.stopped:
+                if piece:
+                    yield GenerationEvent(piece, tid, None, n - 1)
+                reason = "stop"
+                break
+            yield GenerationEvent(piece, tid, None, n - 1)
+            if cancel.cancelled:
+                reason = "cancelled"
+                break
+            if n >= params.max_new_tokens:
+                break
+        else:
+            if cancel.cancelled:
+                reason = "cancelled"
+    finally:
+        end = time.perf_counter()
+        if t_first is not None and n > 1:
+            stats["decode_tokens_per_s"] = (n - 1) / max(end - t_first, 1e-9)
+        stats["generated_tokens"] = n
+        close = getattr(tokens, "close", None)
+        if close is not None:
+            close()
+    tail = stream.flush() if reason in ("length", "eos", "cancelled") else ""
+    yield GenerationEvent(tail, None, reason, n)

@@ -4,6 +4,10 @@ Devices: "cpu" (no accelerator, everything on the CPU), "sim" (the CPU standing 
 placement, streaming and byte accounting as on CUDA), "cuda"/"cuda:N". `set_vram_budget` may be called
 from any thread at any time: a running step picks the new budget up at its next sub-layer boundary,
 releases what no longer fits, hands the memory back to the driver and goes on; nothing is recomputed.
+
+`generate` runs one request at a time; `submit` (and `generate_batch`) put requests into one running batch
+(`engine.scheduler`), whose steps run on a background thread and interleave with `generate` and `score`
+at step boundaries.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 from engine.api import Engine
 from engine.errors import BadInputError, BudgetError, OutOfBudgetError
 from engine.generation import CancelToken, Sampler, SamplingParams
+from engine.scheduler import DEFAULT_MAX_RUNNING, Completion, Request, RequestHandle, Scheduler
+from engine.sharding.executor import StepItem
 from engine.sharding.kvcache import BLOCK_SIZE, Sequence
 from engine.sharding.plan import DEFAULT_TIERS, PLAN_KINDS, Placement
 from engine.sharding.spec import ModelSpec
@@ -36,6 +42,10 @@ def _is_vl_folder(path) -> bool:
     from engine.loading.hf_vision import is_vl_folder
 
     return Path(path).is_dir() and is_vl_folder(Path(path))
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def resolve_device(device: str) -> str:
@@ -58,7 +68,9 @@ class TorchEngine(Engine):
     def __init__(self, path, *, device: str = "auto", vram_budget=None, n_ctx: int | None = None,
                  tiers: tuple[int, ...] = DEFAULT_TIERS, kind: str = "auto", profile=None,
                  progress=None, speculative: bool | None = None, kv_dtype: str | None = None,
-                 host_kv_gib: float | None = None):
+                 host_kv_gib: float | None = None,
+                 max_kv_tokens: int | None = None, max_batch: int = DEFAULT_MAX_RUNNING,
+                 max_step_tokens: int | None = None):
         super().__init__()
         from engine.loading import LoadedModel, load_model
         from engine.sharding.device import Accelerator
@@ -90,7 +102,16 @@ class TorchEngine(Engine):
         self.context_length = min(n_ctx or min(cfg.max_position_embeddings, DEFAULT_CONTEXT),
                                   cfg.max_position_embeddings)
         # KV capacity planned for: starts small (short chats get better plans) and grows with the
-        # conversation, each growth a re-plan, up to the context length.
+        # conversation (or the batch), each growth a re-plan, up to `max_kv_tokens`: the most the
+        # sequences of a batch hold together (at least one full context).
+        if max_kv_tokens is not None and (not _whole(max_kv_tokens) or max_kv_tokens < self.context_length):
+            raise BadInputError(f"max_kv_tokens={max_kv_tokens!r}: expected a number of tokens that holds at "
+                                f"least one context ({self.context_length} tokens)")
+        if not _whole(max_batch) or max_batch < 1:
+            raise BadInputError(f"max_batch={max_batch!r}: expected a number of requests, 1 or more")
+        if max_step_tokens is not None and (not _whole(max_step_tokens) or max_step_tokens < 1):
+            raise BadInputError(f"max_step_tokens={max_step_tokens!r}: expected a number of tokens, 1 or more")
+        self.max_kv_tokens = int(max_kv_tokens or 4 * self.context_length)
         self.kv_tokens = self._kv_capacity(min(self.context_length, INITIAL_KV_TOKENS))
         if kv_dtype not in (None, "fp8"):
             raise BadInputError(f"kv_dtype={kv_dtype!r}: expected None (the model's precision) or 'fp8'")
@@ -126,6 +147,10 @@ class TorchEngine(Engine):
         self.speculative = speculative            # None: on where the plans say it pays (greedy only)
         self.spec_stats = {"proposed": 0, "accepted": 0}
         self.executor.between_sublayers = self._apply_pending_budget
+        self.scheduler = Scheduler(self, self.max_kv_tokens // BLOCK_SIZE, max_batch, max_step_tokens)
+        self._batch_cond = threading.Condition()
+        self._batch_thread: threading.Thread | None = None
+        self._batch_closing = False
         self.budget = 0
         if kind != "auto":
             self.force_plan(kind)
@@ -151,7 +176,7 @@ class TorchEngine(Engine):
 
     # ---- budget and plans ----------------------------------------------------------------------
     def _kv_capacity(self, tokens: int) -> int:
-        return min(-(-tokens // BLOCK_SIZE) * BLOCK_SIZE, -(-self.context_length // BLOCK_SIZE) * BLOCK_SIZE)
+        return min(-(-tokens // BLOCK_SIZE) * BLOCK_SIZE, -(-self.max_kv_tokens // BLOCK_SIZE) * BLOCK_SIZE)
 
     def _ensure_kv_capacity(self, tokens: int) -> None:
         if tokens > self.kv_tokens:
@@ -278,46 +303,124 @@ class TorchEngine(Engine):
             s.update(vision_passes=self.vision_pass.passes, vision_where=last.get("where"),
                      vision_ms=last.get("measured_ms"), vision_predicted_ms=(last.get("plan") or {}).get("predicted_ms"),
                      vision_vram_bytes=last.get("booked_bytes"))
+        b = self.scheduler.stats()
+        s.update(running=b["running"], waiting=b["waiting"], batch_size=b["batch_size"],
+                 batch_tokens=b["batch_tokens"], max_batch_size=b["max_batch_size"], batch_steps=b["steps"],
+                 preemptions=b["preemptions"], preemptions_to_host=b["preemptions_to_host"])
         return s
 
     # ---- running steps -------------------------------------------------------------------------
     def _step(self, seq: Sequence, ids: list[int], all_logits: bool, **inputs) -> torch.Tensor:
-        """One forward step under the plan of its tier, re-planning on out-of-memory and retrying."""
+        """One forward step of one sequence (see `_step_batch`)."""
+        return self._step_batch([StepItem(seq, ids, all_logits, **inputs)])[0]
+
+    def _step_batch(self, items: list[StepItem]) -> list[torch.Tensor]:
+        """One forward step of one or more sequences under the plan of its tier (the step's total new
+        tokens), re-planning on out-of-memory and retrying."""
+        kv = self.executor.kv
+        n_new = sum(len(it.ids) for it in items)
         for attempt in range(8):
             self._apply_pending_budget()
-            self._ensure_kv_capacity(seq.length + len(ids))
-            plan = self.planset.for_tokens(len(ids))
-            length = seq.length
+            grow = sum(-(-(it.seq.length + len(it.ids)) // BLOCK_SIZE) - len(it.seq.block_table) for it in items)
+            self._ensure_kv_capacity((len(kv.refs) + max(grow, 0)) * BLOCK_SIZE)
+            plan = self.planset.for_tokens(n_new)
+            lengths = [it.seq.length for it in items]
             try:
                 if plan is not self.executor.plan:
                     self.executor.activate(plan)
-                return self.executor.forward(seq, ids, all_logits, **inputs)
+                return self.executor.forward_batch(items)
             except (torch.OutOfMemoryError, OutOfBudgetError) as exc:
-                self.executor.kv.truncate(seq, length)
+                for it, length in zip(items, lengths):
+                    kv.truncate(it.seq, length)
                 if self.accel is None or self.budget == 0:
                     raise BudgetError(f"out of memory even with nothing on the GPU: {exc}") from exc
                 smaller = int(self.budget * 0.75) if attempt < 6 else 0
                 self._set_budget_now(smaller, f"out of memory ({exc.__class__.__name__}); retrying")
         raise BudgetError("could not run a step within any budget")
 
-    def _run(self, seq: Sequence, ids: list[int], all_logits: bool, positions: torch.Tensor | None = None,
-             image_mask: torch.Tensor | None = None, image_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed `ids` in chunks of the planner's best step size (the tier with the best time per token);
-        explicit rotary positions and image embedding rows are cut to each chunk."""
-        chunk = self.planset.step_tokens or self.tiers[-1]
-        outs, row = [], 0
+    def step_token_budget(self) -> int:
+        """New tokens per step: the planner's best step size (the tier with the best time per token)."""
+        return self.planset.step_tokens or self.tiers[-1]
+
+    @staticmethod
+    def _chunk_inputs(vision, i: int, j: int) -> dict:
+        """Rotary positions and image embedding rows of prompt tokens i..j-1 of a vision prompt (none for
+        text, or for tokens past the prompt, whose positions follow the cache index)."""
+        if vision is None or i >= vision.positions.shape[-1]:
+            return {}
+        inputs = {"positions": vision.positions[..., i:j]}
+        mask = vision.image_mask[i:j]
+        k = int(mask.sum())
+        if k:
+            row = int(vision.image_mask[:i].sum())
+            inputs["embeds"] = (mask, vision.embeddings[row:row + k])
+        return inputs
+
+    def _run(self, seq: Sequence, ids: list[int], all_logits: bool, vision=None) -> torch.Tensor:
+        """Feed `ids` in chunks of the planner's best step size; a vision prompt's positions and image
+        rows are cut to each chunk."""
+        chunk = self.step_token_budget()
+        outs = []
         for i in range(0, len(ids), chunk):
-            inputs = {}
-            if positions is not None:
-                inputs["positions"] = positions[..., i:i + chunk]
-            if image_mask is not None:
-                mask = image_mask[i:i + chunk]
-                k = int(mask.sum())
-                if k:
-                    inputs["embeds"] = (mask, image_rows[row:row + k])
-                row += k
-            outs.append(self._step(seq, ids[i:i + chunk], all_logits, **inputs))
+            j = min(i + chunk, len(ids))
+            outs.append(self._step(seq, ids[i:j], all_logits, **self._chunk_inputs(vision, i, j)))
         return torch.cat(outs) if all_logits else outs[-1]
+
+    # ---- continuous batching -------------------------------------------------------------------
+    def submit(self, prompt_or_messages, *, max_new_tokens: int = 256, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, stop=None, images=None, seed: int | None = None,
+               cancel: CancelToken | None = None, background: bool = True) -> RequestHandle:
+        """Queue a generation for the batch; iterate the handle for its events (as `generate` yields).
+        Requests join and leave the running batch at any step; bad input raises here. The engine's
+        background loop runs the steps; `background=False` only queues (the caller runs `step_batch()`)."""
+        self._require_open()
+        ids, params = self.prepare_request(prompt_or_messages, max_new_tokens, temperature, top_p, top_k,
+                                           stop, images, seed)
+        req = Request(ids, params, cancel, vision=self._vision_prompts.pop(id(ids), None))
+        handle = RequestHandle(req, self.tokenizer, self._stats)
+        self.scheduler.add(req)
+        if background:
+            self._wake_batch_loop()
+        return handle
+
+    def generate_batch(self, prompts, **params) -> list[Completion]:
+        """Generate for every prompt (or message list) together; their completions in order."""
+        handles = [self.submit(p, **params) for p in prompts]
+        return [h.result() for h in handles]
+
+    def step_batch(self) -> bool:
+        """Run one batched step now (the background loop calls this); False when there was nothing to do."""
+        with self._lock:
+            if self.executor is None:
+                return False
+            with torch.inference_mode():
+                return self.scheduler.step()
+
+    def _wake_batch_loop(self) -> None:
+        with self._batch_cond:
+            if self._batch_thread is None or not self._batch_thread.is_alive():
+                self._batch_thread = threading.Thread(target=self._batch_loop, name="torch-engine-batch",
+                                                      daemon=True)
+                self._batch_thread.start()
+            self._batch_cond.notify_all()
+
+    def _batch_loop(self) -> None:
+        while True:
+            with self._batch_cond:
+                while not self._batch_closing and not self.scheduler.has_work:
+                    self._batch_cond.wait()
+                if self._batch_closing:
+                    return
+            try:
+                stepped = self.step_batch()
+            except Exception as exc:  # noqa: BLE001 - readers get the error; the loop serves on
+                with self._lock:
+                    if self.executor is not None:
+                        self.scheduler.cancel_all(error=exc)
+                stepped = True
+            if not stepped:
+                with self._batch_cond:
+                    self._batch_cond.wait(0.01)
 
     # ---- images (vision-language models) -------------------------------------------------------
     def encode_prompt(self, prompt_or_messages, images=None) -> list[int]:
@@ -397,8 +500,7 @@ class TorchEngine(Engine):
                 common = self.executor.kv.match_prefix(seq, ids)
                 logits = self._run(seq, ids[common:], False)[-1]
             else:
-                logits = self._run(seq, ids, False, positions=vp.positions, image_mask=vp.image_mask,
-                                   image_rows=vp.embeddings)[-1]
+                logits = self._run(seq, ids, False, vision=vp)[-1]
             if params.temperature == 0 and self._speculation_pays():
                 yield from self._speculative_stream(seq, ids, int(torch.argmax(logits)), cancel)
                 return
@@ -415,15 +517,16 @@ class TorchEngine(Engine):
                 self.executor.kv.release(seq)     # its full blocks stay cached for the next turn
 
     # ---- n-gram speculative decoding (greedy only: output identical to plain decoding) ----------
-    def _speculation_pays(self) -> bool:
-        """On where verifying SPEC_TOKENS + 1 tokens costs about as much as one (weights streamed or
-        computed from host memory dominate a step); `speculative=True/False` at open forces it."""
+    def _speculation_pays(self, n_plain: int = 1, n_verify: int = SPEC_TOKENS + 1) -> bool:
+        """On where a step of `n_verify` tokens (proposals included) costs about as much as one of
+        `n_plain` (weights streamed or computed from host memory dominate a step); `speculative=True/False`
+        at open forces it."""
         if self.speculative is not None:
             return self.speculative
         if self.accel is None or self.planset is None:
             return False
-        one = self.planset.for_tokens(1).predicted_ms
-        many = self.planset.for_tokens(SPEC_TOKENS + 1).predicted_ms
+        one = self.planset.for_tokens(n_plain).predicted_ms
+        many = self.planset.for_tokens(n_verify).predicted_ms
         return one > 0 and many / one < SPEC_MAX_COST
 
     def _speculative_stream(self, seq: Sequence, ids: list[int], first: int, cancel: CancelToken) -> Iterator[int]:
@@ -476,7 +579,15 @@ class TorchEngine(Engine):
                 self.executor.kv.release(seq)
 
     def close(self) -> None:
+        with self._batch_cond:
+            self._batch_closing = True
+            self._batch_cond.notify_all()
+        thread = self._batch_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
         with self._lock:
+            if self.executor is not None:
+                self.scheduler.cancel_all()
             if self.executor is not None:
                 self.executor.close()
                 self.executor.release_to_driver()

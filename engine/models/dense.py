@@ -31,12 +31,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor, kv_write, kv_read, mask: torch.Tensor | None) -> torch.Tensor:
+                    sin: torch.Tensor, kv_write, kv_read, mask: torch.Tensor | None, attend=None) -> torch.Tensor:
     """Pre-norm self-attention with RoPE and a KV cache.
 
     kv_write(k, v): stores this step's keys/values ([kv_heads, n, head_dim] each).
     kv_read() -> (K, V): all cached keys/values including this step's, [kv_heads, L, head_dim].
     mask: see `attention_mask`: None, "causal", or bool [n, L] (True = may attend).
+    attend(q, k, v) -> out [heads, n, head_dim], when given, replaces write, read and attention (a batched
+    step: the projections run once over every sequence's tokens, attention per sequence).
     """
     n = x.shape[0]
     h = rms_norm(x, w["attn_norm.weight"], cfg.rms_norm_eps)
@@ -55,9 +57,12 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
         k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
     q = apply_rotary(q, cos, sin)
     k = apply_rotary(k, cos, sin)
-    kv_write(k, v)
-    keys, values = kv_read()
-    out = _attend(q, keys, values, mask, cfg.num_kv_heads != cfg.num_heads)
+    if attend is not None:
+        out = attend(q, k, v)
+    else:
+        kv_write(k, v)
+        keys, values = kv_read()
+        out = _attend(q, keys, values, mask, cfg.num_kv_heads != cfg.num_heads)
     out = out.transpose(0, 1).reshape(n, cfg.q_size)
     return x + linear(out, w["o.weight"])
 

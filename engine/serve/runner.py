@@ -1,9 +1,11 @@
 """`EngineSlot`: the engine the API serves, behind the generation gate.
 
 `slot.generation(request, abandon)` waits for the request's turn (first come, first served; a client
-that hangs up while queued leaves the queue), starts `engine.generate`, and hands back a `Generation`
-whose `pieces()` stream the text. Input the engine refuses (a prompt over the context, images for a
-text-only model) becomes a 400 before anything is sent. A client that hangs up mid-generation cancels
+that hangs up while queued leaves the queue), starts the generation, and hands back a `Generation`
+whose `pieces()` stream the text. An engine that batches (it has `submit`) takes requests side by side:
+they hold the gate shared and share the engine's batched steps, each request its own stream; other
+engines run one generation at a time (`engine.generate`, the gate held exclusively). Input the engine
+refuses (a prompt over the context, images for a text-only model) becomes a 400 before anything is sent. A client that hangs up mid-generation cancels
 it (the engine stops after its current step). The same slot works for the standalone server and inside
 the app's worker, where the worker's chat jobs share the gate.
 """
@@ -29,6 +31,11 @@ def model_name(engine) -> str:
     """A model's API name: the GGUF file's stem or the Hugging Face folder's name."""
     path = Path(str(getattr(engine, "source", "") or "model"))
     return path.stem if path.suffix.lower() == ".gguf" else (path.name or "model")
+
+
+def _batches(engine) -> bool:
+    """Whether the engine runs concurrent requests in one batch (`submit`)."""
+    return engine is not None and callable(getattr(engine, "submit", None))
 
 
 class Generation:
@@ -79,7 +86,8 @@ class Generation:
 
 
 class EngineSlot:
-    """Serves one engine (or whatever `get_engine()` returns now) to the API, one generation at a time."""
+    """Serves one engine (or whatever `get_engine()` returns now) to the API: concurrent requests share
+    a batching engine's steps; other engines serve one generation at a time."""
 
     def __init__(self, engine_or_getter, *, gate: GenerationGate | None = None,
                  name: Callable[[], str | None] | None = None, max_waiting: int = 64,
@@ -129,11 +137,13 @@ class EngineSlot:
     def generation(self, req: GenerationRequest, abandon: Callable[[], bool]) -> Iterator[Generation]:
         if self._closed:
             raise ApiError(503, "the server is stopping", "server_error", code="server_stopping")
-        if self.gate.waiting >= self.max_waiting:
-            raise ApiError(429, f"{self.gate.waiting} requests are already waiting for the model; try again later",
+        waiting = self._waiting()
+        if waiting >= self.max_waiting:
+            raise ApiError(429, f"{waiting} requests are already waiting for the model; try again later",
                            "rate_limit_error", code="queue_full", headers={"Retry-After": "5"})
+        shared = _batches(self._get())
         try:
-            self.gate.acquire(abandon=abandon, closed=lambda: self._closed)
+            self.gate.acquire(abandon=abandon, closed=lambda: self._closed, shared=shared)
         except GateAbandoned:
             raise ClientGone() from None
         except GateClosed:
@@ -159,7 +169,13 @@ class EngineSlot:
         finally:
             with self._lock:
                 self._active.discard(token)
-            self.gate.release()
+            self.gate.release(shared=shared)
+
+    def _waiting(self) -> int:
+        """Requests waiting for the model: at the gate, and in a batching engine's queue."""
+        engine = self._get()
+        queued = int(engine.stats().get("waiting") or 0) if _batches(engine) else 0
+        return self.gate.waiting + queued
 
     def _start(self, engine, req: GenerationRequest, token: CancelToken, abandon) -> Generation:
         kwargs = req.engine_kwargs(int(getattr(engine, "context_length", 0) or 0))
@@ -168,8 +184,12 @@ class EngineSlot:
         try:
             # Text prompts are counted here (cheap); with images the engine's own count is read at the end,
             # so the images are not processed twice.
-            n_prompt = None if images else len(engine.encode_prompt(req.prompt))
-            events = engine.generate(req.prompt, images=images, cancel=token, **kwargs)
+            if _batches(engine):
+                events = engine.submit(req.prompt, images=images, cancel=token, **kwargs)
+                n_prompt = len(events.request.prompt)
+            else:
+                n_prompt = None if images else len(engine.encode_prompt(req.prompt))
+                events = engine.generate(req.prompt, images=images, cancel=token, **kwargs)
         except ContextLengthError as exc:
             raise ApiError(400, f"{param}: {exc}", code="context_length_exceeded", param=param) from exc
         except SlipstreamError as exc:

@@ -6,7 +6,8 @@
     server.stop()                # cancels running generations, closes connections, frees the port
 
 Connections get a thread each (`http.server.ThreadingHTTPServer`); generations queue at the slot's
-gate, one at a time. `stop()` is safe from any thread and more than once.
+gate (side by side in the batch of an engine that batches, else one at a time). `stop()` is safe from
+any thread and more than once.
 """
 
 from __future__ import annotations

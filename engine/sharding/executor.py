@@ -23,8 +23,10 @@ mid-step (a budget drop never waits for a long prefill to finish).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from engine.config import ModelConfig, weight_names
 from engine.models import dense, moe
@@ -35,6 +37,54 @@ from engine.sharding.memory import HEAD_ROWS_MAX as HEAD_ROWS
 from engine.sharding.memory import TENSOR_ALIGN as ALIGN
 from engine.sharding.plan import Placement, Plan
 from engine.sharding.spec import routed_streaming
+
+
+@dataclass(slots=True)
+class StepItem:
+    """One sequence's part of a step: its new tokens, and optionally every new token's logits, explicit
+    rotary positions ([n] or [3, n]) and image embedding rows (bool mask [n], rows [k, hidden])."""
+    seq: Sequence
+    ids: list[int]
+    all_logits: bool = False
+    positions: torch.Tensor | None = None
+    embeds: tuple | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Segment:
+    """Where a sequence's tokens sit in a batched step."""
+    seq: Sequence
+    start: int            # cache index of its first new token
+    row: int              # its first row in the step's activations
+    n: int
+    masks: dict           # attention mask per device
+
+
+@dataclass(slots=True)
+class _DecodeGroup:
+    """The sequences of a step that decode one token with nothing masked: their attention runs as one
+    call over their padded caches. rows: their rows in the step's activations, per device."""
+    segs: list[_Segment]
+    rows: dict
+
+    @staticmethod
+    def of(segs: list[_Segment], gpu) -> _DecodeGroup | None:
+        decode = [s for s in segs if s.n == 1 and s.masks[torch.device("cpu")] is None]
+        if len(decode) < 2:
+            return None
+        rows = {torch.device("cpu"): torch.tensor([s.row for s in decode])}
+        if gpu is not None:
+            rows[gpu] = rows[torch.device("cpu")].to(gpu)
+        return _DecodeGroup(decode, rows)
+
+
+def _attend_padded(q, keys, values, valid, gqa: bool) -> torch.Tensor:
+    """q [B, heads, 1, head_dim] against keys/values [B, kv_heads, L, head_dim] where valid [B, L]."""
+    if gqa and q.device.type == "cuda":   # the masked kernel takes no grouped heads: expand them
+        rep = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(rep, dim=1), values.repeat_interleave(rep, dim=1)
+        gqa = False
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=valid[:, None, None, :], enable_gqa=gqa)
 
 
 class Executor:
@@ -261,21 +311,47 @@ class Executor:
         positions: rotary positions ([n], or [3, n] for M-RoPE); default cache index + seq.rope_delta.
         embeds: (bool mask [n], rows [k, hidden]) replacing the embeddings of the masked tokens (images).
         """
-        cfg, n, start = self.cfg, len(ids), seq.length
-        self.kv.reserve(seq, n)
-        if positions is None:
-            positions = torch.arange(start, start + n) + seq.rope_delta
-        gpu = self.accel.device if self.accel is not None else None
-        cos_sin = {torch.device("cpu"): self.rope.cos_sin(positions, torch.device("cpu"), self.dtype)}
-        masks = {torch.device("cpu"): dense.attention_mask(n, start, cfg.sliding_window, "cpu")}
-        if gpu is not None and gpu.type != "cpu":
-            cos_sin[gpu] = tuple(t.to(gpu) for t in cos_sin[torch.device("cpu")])
-            m = masks[torch.device("cpu")]
-            masks[gpu] = m.to(gpu) if isinstance(m, torch.Tensor) else m
-        x = torch.tensor(ids, dtype=torch.long)
+        return self.forward_batch([StepItem(seq, ids, all_logits, positions, embeds)])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list[StepItem]) -> list[torch.Tensor]:
+        """One step over several sequences, each with its own new tokens (a decode token or a prefill
+        chunk). Embedding, projections, FFNs, experts and head run once over all the step's tokens (the
+        weights are read, or streamed, once per step); attention runs per sequence against its own KV
+        cache, positions and mask. Returns each item's logits as `forward` does."""
+        cfg = self.cfg
+        cpu = torch.device("cpu")
+        gpu = self.accel.device if self.accel is not None and self.accel.kind == "cuda" else None
+        segs, cos, sin, row = [], [], [], 0
+        for it in items:
+            n, start = len(it.ids), it.seq.length
+            if n == 0:
+                raise ValueError("a step item needs at least one new token")
+            self.kv.reserve(it.seq, n)
+            pos = it.positions
+            if pos is None:
+                pos = torch.arange(start, start + n) + it.seq.rope_delta
+            c, s_ = self.rope.cos_sin(pos, cpu, self.dtype)
+            cos.append(c)
+            sin.append(s_)
+            mask = dense.attention_mask(n, start, cfg.sliding_window, "cpu")
+            masks = {cpu: mask}
+            if gpu is not None:
+                masks[gpu] = mask.to(gpu) if isinstance(mask, torch.Tensor) else mask
+            segs.append(_Segment(it.seq, start, row, n, masks))
+            row += n
+        cos_sin = {cpu: (torch.cat(cos), torch.cat(sin)) if len(items) > 1 else (cos[0], sin[0])}
+        decode = _DecodeGroup.of(segs, gpu)
+        if gpu is not None:
+            cos_sin[gpu] = tuple(t.to(gpu) for t in cos_sin[cpu])
+        x = torch.tensor([t for it in items for t in it.ids], dtype=torch.long)
+        image_rows = [(seg.row, it.embeds) for seg, it in zip(segs, items) if it.embeds is not None]
+        # Rows the head computes: every row of an item that wants all logits, else its last row.
+        head_rows = [r for seg, it in zip(segs, items)
+                     for r in (range(seg.row, seg.row + seg.n) if it.all_logits else (seg.row + seg.n - 1,))]
         streamed = self._streamed_order() if self.accel is not None else []
         self._routing.clear()
-        self._routed_now = cfg.is_moe and (routed_streaming(cfg, n) if self.routed_experts is None
+        self._routed_now = cfg.is_moe and (routed_streaming(cfg, row) if self.routed_experts is None
                                            else self.routed_experts)
         if streamed:
             self._pump()        # loads queued by the last step wait for routers only in routed steps
@@ -292,23 +368,34 @@ class Executor:
             dev = x.device
             if name == "embed":
                 x = dense.embed_tokens(w, x)
-                if embeds is not None:
-                    mask, rows = embeds
-                    x[mask.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
+                for at, (mask, rows) in image_rows:
+                    part = x[at:at + mask.shape[0]]
+                    part[mask.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
             elif name == "head":
-                x = self._head(w, x if all_logits else x[-1:])
+                if len(head_rows) == 1:
+                    x = x[head_rows[0]:head_rows[0] + 1]
+                elif len(head_rows) < x.shape[0]:
+                    x = x[torch.tensor(head_rows, device=dev)]
+                x = self._head(w, x)
             elif name.endswith(".attn"):
                 layer = int(name.split(".")[1])
-                x = self._attention(layer, w, x, seq, start, cos_sin[dev], masks[dev])
+                x = self._attention(layer, w, x, segs, decode, cos_sin[dev], dev)
             elif name not in self.moe_steps:
                 x = dense.ffn_block(cfg, w, x)
             else:
                 x = self._moe_step(name, self.moe_steps[name], w, x)
             if streamed and self.plan.placement[name] is Placement.STREAMED:
                 self._after_streamed(name, streamed)
-        seq.length = start + n
-        seq.token_ids.extend(ids)
-        return self._move(x, False)
+        for seg, it in zip(segs, items):
+            seg.seq.length = seg.start + seg.n
+            seg.seq.token_ids.extend(it.ids)
+        logits = self._move(x, False)
+        out, at = [], 0
+        for seg, it in zip(segs, items):
+            k = seg.n if it.all_logits else 1
+            out.append(logits[at:at + k])
+            at += k
+        return out
 
     def _moe_step(self, name: str, step: tuple[range, bool] | None, w, x):
         layer = int(name.split(".")[1])
@@ -336,19 +423,33 @@ class Executor:
         return torch.cat([self._move(dense.output_head(self.cfg, w, x[i:i + HEAD_ROWS]), False)
                           for i in range(0, x.shape[0], HEAD_ROWS)])
 
-    def _attention(self, layer, w, x, seq, start, cos_sin, mask):
+    def _attention(self, layer, w, x, segs: list[_Segment], decode: _DecodeGroup | None, cos_sin, dev):
         want_gpu = self.plan.placement[f"layers.{layer}.attn"] is not Placement.CPU
         if self.kv.pools[layer].on_gpu != want_gpu:
             self.kv.place_layer(layer, want_gpu)
-        length = start + x.shape[0]
+        gqa = self.cfg.num_kv_heads != self.cfg.num_heads
 
-        def write(k, v):
-            self.kv.write(layer, seq, start, k, v)
+        def attend(q, k, v):
+            self.kv.write_many(layer, [(s.seq, s.start, s.n) for s in segs], k, v)
+            if len(segs) == 1:
+                s = segs[0]
+                keys, values = self.kv.read(layer, s.seq, s.start + s.n)
+                return dense._attend(q, keys, values, s.masks[dev], gqa)
+            out = torch.empty_like(q)
+            if decode is not None:    # the decode tokens: one padded attention over their caches
+                keys, values, valid = self.kv.read_padded(layer, [(s.seq, s.start + 1) for s in decode.segs])
+                rows = decode.rows[dev]
+                qd = q.index_select(1, rows).transpose(0, 1).unsqueeze(2)       # [B, heads, 1, head_dim]
+                od = _attend_padded(qd, keys, values, valid, gqa)
+                out.index_copy_(1, rows, od.squeeze(2).transpose(0, 1))
+            for s in segs:
+                if decode is None or s not in decode.segs:
+                    keys, values = self.kv.read(layer, s.seq, s.start + s.n)
+                    out[:, s.row:s.row + s.n] = dense._attend(q[:, s.row:s.row + s.n], keys, values,
+                                                              s.masks[dev], gqa)
+            return out
 
-        def read():
-            return self.kv.read(layer, seq, length)
-
-        return dense.attention_block(self.cfg, w, x, cos_sin[0], cos_sin[1], write, read, mask)
+        return dense.attention_block(self.cfg, w, x, cos_sin[0], cos_sin[1], None, None, None, attend=attend)
 
     def _move(self, x: torch.Tensor, to_gpu: bool) -> torch.Tensor:
         if self.accel is None or self.accel.kind == "sim":

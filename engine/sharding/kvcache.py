@@ -212,7 +212,7 @@ class PagedKVCache:
         self.block_of: dict[int, int] = {}                  # chain hash -> cached block
         self.evictable: OrderedDict[int, None] = OrderedDict()   # cached, unused; oldest first
         self.prefix_stats = {"lookups": 0, "prompt_tokens": 0, "hit_tokens": 0}
-        self._slot_memo: tuple = (None, None)
+        self._index_memo: dict[tuple, torch.Tensor] = {}   # pool-row and block indexes of recent steps
         self.block_bytes = self.pools[0].block_bytes() if self.pools else 0
         # Host tier: slot -> chain hash (None: private to one offloaded sequence), sequences holding a
         # slot, chain hash -> slot, and the cached slots no sequence holds (oldest first).
@@ -596,8 +596,14 @@ class PagedKVCache:
     # ---- reads and writes ----------------------------------------------------------------------
     def write(self, layer: int, seq: Sequence, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [kv_heads, n, head_dim] for positions start..start+n-1."""
+        self.write_many(layer, [(seq, start, k.shape[1])], k, v)
+
+    def write_many(self, layer: int, segments: list[tuple[Sequence, int, int]], k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """The new keys and values of several sequences at once (a batched step): k, v [kv_heads, N,
+        head_dim] hold the tokens of each segment (sequence, start, n) one after another."""
         pool = self.pools[layer]
-        flat = self._slot_index(seq, start, k.shape[1], pool.k.device)
+        flat = self._slot_index(segments, pool.k.device)
         values = [k.transpose(0, 1), v.transpose(0, 1)]              # [n, kv_heads, head_dim]
         if pool.fp8:
             scales = [t.abs().amax(-1).float().clamp(min=1e-12) / FP8_MAX for t in values]
@@ -606,17 +612,29 @@ class PagedKVCache:
         for part, value in zip(pool.parts, values):
             part.view(-1, *part.shape[2:]).index_copy_(0, flat, value.to(part.dtype))
 
-    def _slot_index(self, seq: Sequence, start: int, n: int, device: torch.device) -> torch.Tensor:
-        """Flat pool rows of positions start..start+n-1, computed once per step and device (every layer
-        of a step writes the same rows)."""
-        blocks = tuple(seq.block_table[start // BLOCK_SIZE:(start + n - 1) // BLOCK_SIZE + 1])
-        key = (start, n, blocks, device)
-        if self._slot_memo[0] != key:
-            pos = torch.arange(start, start + n)
-            table = torch.tensor(blocks, dtype=torch.long)
-            flat = table[pos // BLOCK_SIZE - start // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-            self._slot_memo = (key, flat.to(device))
-        return self._slot_memo[1]
+    def _slot_index(self, segments: list[tuple[Sequence, int, int]], device: torch.device) -> torch.Tensor:
+        """Flat pool rows of positions start..start+n-1 of each segment, computed once per step and device
+        (every layer of a step writes the same rows)."""
+        key = ("rows", device, *((start, n, tuple(seq.block_table[start // BLOCK_SIZE:
+                                                                  (start + n - 1) // BLOCK_SIZE + 1]))
+                                 for seq, start, n in segments))
+        flat = self._index_memo.get(key)
+        if flat is None:
+            rows = []
+            for start, n, blocks in key[2:]:
+                pos = torch.arange(start, start + n)
+                table = torch.tensor(blocks, dtype=torch.long)
+                rows.append(table[pos // BLOCK_SIZE - start // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+            flat = self._memo_index(key, torch.cat(rows) if len(rows) > 1 else rows[0], device)
+        return flat
+
+    def _memo_index(self, key: tuple, index: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Keep an index tensor (moved to `device` once: a copy to the GPU waits for its queue) for the
+        other layers of the step; the memo holds the last few steps' indexes of a batch."""
+        if len(self._index_memo) >= 1024:
+            self._index_memo.clear()
+        index = self._index_memo[key] = index.to(device)
+        return index
 
     def read(self, layer: int, seq: Sequence, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first `length` positions: [kv_heads, length, head_dim] each."""
@@ -626,14 +644,46 @@ class PagedKVCache:
         if blocks == list(range(blocks[0], blocks[0] + nb)):
             parts = [p[blocks[0]:blocks[0] + nb] for p in pool.parts]
         else:
-            idx = torch.tensor(blocks, dtype=torch.long, device=pool.k.device)
+            key = ("blocks", tuple(blocks), pool.k.device)
+            idx = self._index_memo.get(key)
+            if idx is None:
+                idx = self._memo_index(key, torch.tensor(blocks, dtype=torch.long), pool.k.device)
             parts = [p.index_select(0, idx) for p in pool.parts]
-        parts = [p.reshape(-1, *p.shape[2:])[:length] for p in parts]
-        if pool.fp8:
-            k, v, ks, vs = parts
-            parts = [k.view(torch.float8_e4m3fn).to(self.dtype) * ks[..., None].to(self.dtype),
-                     v.view(torch.float8_e4m3fn).to(self.dtype) * vs[..., None].to(self.dtype)]
-        return parts[0].transpose(0, 1), parts[1].transpose(0, 1)
+        k, v = self._dequantized(pool, [p.reshape(-1, *p.shape[2:])[:length] for p in parts])
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def read_padded(self, layer: int, seqs: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                    torch.Tensor]:
+        """Keys and values of the first `length` positions of several (sequence, length), padded to the
+        longest: K, V [B, kv_heads, L, head_dim] and a bool [B, L] marking the real positions."""
+        pool = self.pools[layer]
+        device = pool.k.device
+        longest = max(length for _, length in seqs)
+        key = ("padded", device, longest, *((length, tuple(seq.block_table[:-(-length // BLOCK_SIZE)]))
+                                            for seq, length in seqs))
+        rows = self._index_memo.get(key)
+        valid = self._index_memo.get(("valid", *key[1:]))
+        if rows is None or valid is None:
+            pos = torch.arange(longest)
+            width = -(-longest // BLOCK_SIZE)
+            tables = torch.tensor([blocks + (0,) * (width - len(blocks)) for _, blocks in key[3:]])
+            lengths = torch.tensor([length for length, _ in key[3:]])
+            real = pos[None, :] < lengths[:, None]                             # [B, L]
+            flat = torch.where(real, tables[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE, 0)
+            rows = self._memo_index(key, flat.reshape(-1), device)
+            valid = self._memo_index(("valid", *key[1:]), real, device)
+        parts = [p.view(-1, *p.shape[2:]).index_select(0, rows) for p in pool.parts]
+        k, v = self._dequantized(pool, parts)
+        shape = (len(seqs), longest, *k.shape[1:])
+        return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2), valid
+
+    def _dequantized(self, pool: LayerPool, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [n, kv_heads, head_dim] in the model's dtype from a pool's stored parts."""
+        if not pool.fp8:
+            return parts[0], parts[1]
+        k, v, ks, vs = parts
+        return (k.view(torch.float8_e4m3fn).to(self.dtype) * ks[..., None].to(self.dtype),
+                v.view(torch.float8_e4m3fn).to(self.dtype) * vs[..., None].to(self.dtype))
 
     def close(self) -> None:
         for i, pool in enumerate(self.pools):

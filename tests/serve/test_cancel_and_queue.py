@@ -19,7 +19,10 @@ LONG = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a sto
 
 
 class Paced:
-    """The tiny engine, slowed to about 50 tokens a second so a test can hang up mid-answer."""
+    """The tiny engine, slowed to about 50 tokens a second so a test can hang up mid-answer. It serves
+    one generation at a time (`generate`, not the engine's batch: `submit` is hidden)."""
+
+    submit = None
 
     def __init__(self, engine, delay_s: float = 0.02):
         self._engine = engine

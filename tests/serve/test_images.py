@@ -12,6 +12,7 @@ class SeeingEngine:
     """The tiny engine, claiming to see: records what the API passes, answers as for the text alone."""
 
     supports_images = True
+    submit = None              # served through `generate` (the engine's batch is tested in test_batching)
 
     def __init__(self, engine):
         self._engine = engine
