@@ -155,6 +155,9 @@ class TorchEngine(Engine):
         if kind != "auto":
             self.force_plan(kind)
         self._set_budget_now(self._initial_budget(vram_budget), "open")
+        if self.accel is not None and self.accel.kind == "cuda":
+            # room in pinned host memory for the KV that sits in VRAM now: a budget drop spills it at once
+            self.executor.kv.host.prewarm(self.executor.kv.gpu_bytes())
         report(1.0, "ready")
 
     def _set_host_kv(self, gib) -> None:

@@ -30,7 +30,7 @@ from engine.units import parse_bytes
 @dataclass
 class CorunConfig:
     cap: str = "24GiB"
-    phases: str = "6GiB:20,20GiB:25,6GiB:20"
+    phases: str = "6GiB:20,16GiB:25,6GiB:20"
     load_rate: str = "3GiB"
     chunk: str = "256MiB"
     reserve: str = "1GiB"

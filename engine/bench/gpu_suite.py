@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="slipstream: the app's wiring (monitor budget -> set_vram_budget); slipstream+overhead: "
                         "the budget less the engine's measured non-budget VRAM (CUDA context, cache); llama.cpp")
     g.add_argument("--cap", default="24GiB", help="co-run: the card's size")
-    g.add_argument("--phases", default="6GiB:20,20GiB:25,6GiB:20", help="co-run: game working set:seconds")
+    g.add_argument("--phases", default="6GiB:20,16GiB:25,6GiB:20", help="co-run: game working set:seconds")
     g.add_argument("--results-dir", default=None, help="merge: where results.json/.md/PNGs go (default --out)")
 
 

@@ -159,6 +159,12 @@ class HostTier:
     def give(self, slot: int) -> None:
         self.free.append(slot)
 
+    def prewarm(self, n_bytes: int) -> None:
+        """Allocate chunks for `n_bytes` of slots now (pinning host memory is slow: ~0.5 s per GiB), so a
+        budget drop that spills KV here never waits for an allocation."""
+        while self.allocated_slots < self.cap_slots and self.allocated_bytes < n_bytes:
+            self._add_chunk()
+
     def _add_chunk(self) -> None:
         first = self.allocated_slots
         n = min(self.chunk_slots, self.cap_slots - first)
