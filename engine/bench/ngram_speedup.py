@@ -1,0 +1,263 @@
+"""What n-gram (prompt lookup) speculative decoding gains on a code-editing prompt, whose answer mostly
+copies the prompt, against a summary prompt, whose answer does not (issue 8).
+
+    python -m engine.bench.ngram_speedup [--model PATH] [--device cpu|sim|cuda] [--budget 1GiB]
+                                         [--tokens 200] [--repeats 1] [--out docs/benchmarks] [--note TEXT]
+
+Each prompt goes through the chat template and is decoded greedily with speculation off and on (the same
+engine, runs alternated `--repeats` times, the median kept). Reported per prompt and mode: decode
+tokens/s (first token to last, prefill excluded), the speedup, proposals accepted / proposed, tokens per
+decode step, and whether both outputs are identical token for token (greedy speculation must not change
+them; the script exits 1 if they differ). Also recorded: what the engine decides by default
+(`speculative=None`) on this device and the planner's predicted cost of a verify step against a
+one-token step. Writes `<out>/ngram_speedup.json` (command, machine, date, results).
+
+Default model: the bundled SmolLM2-135M-Instruct (Q4_1 GGUF). On CUDA a small `--budget` streams the
+weights, so each step is bound by the bytes it moves and extra verified tokens cost little: where
+speculation pays. On the CPU a step's cost grows with its tokens, so it may not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from engine.bench.gpu_common import write_report
+
+CODE = '''\
+def summarize_orders(rows, cutoff_date, currency="EUR"):
+    """Group paid orders after cutoff_date by customer and return per-customer totals."""
+    totals = {}
+    counts = {}
+    latest = {}
+    skipped = 0
+    for row in rows:
+        if row.get("status") != "paid":
+            skipped += 1
+            continue
+        date = row.get("date")
+        if date is None or date < cutoff_date:
+            skipped += 1
+            continue
+        customer = row.get("customer_id")
+        if customer is None:
+            skipped += 1
+            continue
+        amount = row.get("amount", 0.0)
+        if row.get("currency", currency) != currency:
+            rate = row.get("rate")
+            if not rate:
+                skipped += 1
+                continue
+            amount = amount * rate
+        discount = row.get("discount", 0.0)
+        if discount:
+            amount = amount * (1.0 - discount)
+        totals[customer] = totals.get(customer, 0.0) + amount
+        counts[customer] = counts.get(customer, 0) + 1
+        if customer not in latest or date > latest[customer]:
+            latest[customer] = date
+    result = []
+    for customer, total in totals.items():
+        count = counts[customer]
+        average = total / count if count else 0.0
+        result.append(
+            {
+                "customer_id": customer,
+                "total": round(total, 2),
+                "orders": count,
+                "average": round(average, 2),
+                "last_order": latest[customer],
+                "currency": currency,
+            }
+        )
+    result.sort(key=lambda item: item["total"], reverse=True)
+    grand_total = sum(item["total"] for item in result)
+    for item in result:
+        if grand_total:
+            item["share"] = round(item["total"] / grand_total, 4)
+        else:
+            item["share"] = 0.0
+    summary = {
+        "customers": len(result),
+        "skipped": skipped,
+        "grand_total": round(grand_total, 2),
+        "rows": result,
+    }
+    return summary
+'''
+
+PARAGRAPH = (
+    "The city council voted on Tuesday to turn the disused rail yard on the east side into a public park "
+    "with community gardens, a covered market hall and a cycle path linking the river to the old town. "
+    "Supporters said the project would give the densest neighbourhoods their first large green space and "
+    "bring weekend trade to nearby shops; opponents worried about the cost of cleaning the contaminated "
+    "soil, estimated at twelve million, and asked why housing had not been considered for the site. The "
+    "plan passes to a public consultation in the spring, and work could begin the following year if the "
+    "regional government agrees to pay a third of the clean-up bill.")
+
+PROMPTS = {
+    "code_edit": ("Rename the variable `row` to `order` in this function and add type hints to its "
+                  "signature. Return the whole function, nothing else.\n\n```python\n" + CODE + "```"),
+    "summarise": "Summarise this paragraph in three sentences.\n\n" + PARAGRAPH,
+}
+
+
+def _decode(eng, messages, max_new_tokens: int) -> dict:
+    """One greedy generation: its token ids, decode time (first token to the end) and decode steps."""
+    steps = [0]
+    inner = eng._step_batch
+
+    def counted(items):
+        steps[0] += 1
+        return inner(items)
+
+    eng._step_batch = counted            # count the engine's forward steps for this run
+    before = eng.stats()
+    ids, final = [], None
+    t_first = steps_at_first = None
+    try:
+        for ev in eng.generate(messages, max_new_tokens=max_new_tokens):
+            if t_first is None:          # the prompt is in; no decode step has run yet
+                t_first, steps_at_first = time.perf_counter(), steps[0]
+            if ev.token_id is not None:
+                ids.append(ev.token_id)
+            if ev.finish_reason is not None:
+                final = ev
+        t_end = time.perf_counter()
+    finally:
+        del eng._step_batch              # the class's method again
+    after = eng.stats()
+    n = final.index                      # tokens generated, an end-of-sequence token included
+    decode_steps = steps[0] - steps_at_first
+    proposed = after["spec_proposed"] - before["spec_proposed"]
+    accepted = after["spec_accepted"] - before["spec_accepted"]
+    decode_s = t_end - t_first
+    return {"tokens": n, "finish": final.finish_reason, "ids": ids, "decode_s": decode_s,
+            "tokens_per_s": (n - 1) / max(decode_s, 1e-9) if n > 1 else None,
+            "decode_steps": decode_steps, "ms_per_step": 1e3 * decode_s / decode_steps if decode_steps else None,
+            "tokens_per_step": (n - 1) / decode_steps if decode_steps else None,
+            "proposed": proposed, "accepted": accepted,
+            "acceptance": accepted / proposed if proposed else None}
+
+
+def _first_difference(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _mode_row(runs: list[dict]) -> dict:
+    """The median run (by tokens/s) of one mode, with every run's rate kept."""
+    rates = [r["tokens_per_s"] or 0.0 for r in runs]
+    med = statistics.median_low(rates)
+    row = dict(runs[rates.index(med)])
+    row.pop("ids")
+    row["tokens_per_s_runs"] = rates
+    return row
+
+
+def measure_prompt(eng, name: str, text: str, max_new_tokens: int, repeats: int) -> dict:
+    messages = [{"role": "user", "content": text}]
+    runs = {False: [], True: []}
+    for _ in range(repeats):
+        for mode in (False, True):
+            eng.speculative = mode
+            runs[mode].append(_decode(eng, messages, max_new_tokens))
+    ref = runs[False][0]["ids"]
+    diffs = [_first_difference(ref, r["ids"]) for mode in (False, True) for r in runs[mode]]
+    off, on = _mode_row(runs[False]), _mode_row(runs[True])
+    speedup = on["tokens_per_s"] / off["tokens_per_s"] if on["tokens_per_s"] and off["tokens_per_s"] else None
+    step_cost = on["ms_per_step"] / off["ms_per_step"] if on["ms_per_step"] and off["ms_per_step"] else None
+    return {"prompt": name, "prompt_tokens": len(eng.encode_prompt(messages)), "off": off, "on": on,
+            "speedup": speedup, "measured_step_cost_ratio": step_cost, "identical": all(d is None for d in diffs),
+            "first_difference": next((d for d in diffs if d is not None), None),
+            "output_text": eng.tokenizer.decode(ref)}
+
+
+def default_decision(eng) -> dict:
+    """What `speculative=None` decides on this engine, and the planner's predicted step costs behind it."""
+    from engine.backends.torch_engine import SPEC_MAX_COST, SPEC_TOKENS
+
+    saved, eng.speculative = eng.speculative, None
+    try:
+        out = {"speculates": eng._speculation_pays(), "spec_tokens": SPEC_TOKENS, "max_cost_ratio": SPEC_MAX_COST}
+    finally:
+        eng.speculative = saved
+    if eng.accel is None:
+        out["why"] = "device cpu: no plan to predict step costs from, speculation stays off unless forced"
+    else:
+        one = eng.planset.for_tokens(1).predicted_ms
+        many = eng.planset.for_tokens(SPEC_TOKENS + 1).predicted_ms
+        out.update(predicted_ms_1_token=one, predicted_ms_verify_step=many,
+                   predicted_cost_ratio=many / one if one else None)
+    return out
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| prompt | mode | tokens | tokens/s | speedup | accepted / proposed | tokens per step | ms per step "
+          "| identical |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        for mode in ("off", "on"):
+            m = r[mode]
+            acc = f"{m['accepted']} / {m['proposed']} ({m['acceptance']:.2f})" if m["proposed"] else "-"
+            speed = f"{r['speedup']:.2f}x" if mode == "on" and r["speedup"] else ""
+            tps = f"{m['tokens_per_s']:.1f}" if m["tokens_per_s"] else "-"
+            tstep = f"{m['tokens_per_step']:.2f}" if m["tokens_per_step"] else "-"
+            mstep = f"{m['ms_per_step']:.0f}" if m["ms_per_step"] else "-"
+            same = "yes" if r["identical"] else f"NO (from token {r['first_difference']})"
+            print(f"| {r['prompt']} | speculation {mode} | {m['tokens']} | {tps} | {speed} | {acc} | {tstep} | "
+                  f"{mstep} | {same} |")
+
+
+def main(argv=None) -> int:
+    import torch
+
+    import engine
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a GGUF file or Hugging Face folder (default: the bundled model)")
+    ap.add_argument("--device", default="cpu", help="cpu, sim or cuda")
+    ap.add_argument("--budget", default=None, help="VRAM budget (sim/cuda), e.g. 64MiB: weights stream")
+    ap.add_argument("--tokens", type=int, default=200, help="new tokens per generation")
+    ap.add_argument("--repeats", type=int, default=1, help="off/on pairs per prompt; the median is kept")
+    ap.add_argument("--out", default="docs/benchmarks")
+    ap.add_argument("--note", default="", help="free text kept in the report (e.g. the machine's load)")
+    args = ap.parse_args(argv)
+    if args.tokens < 2 or args.repeats < 1:
+        ap.error("--tokens must be 2 or more and --repeats 1 or more")
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    eng = engine.open_model(args.model, device=args.device, vram_budget=args.budget, backend="torch")
+    try:
+        decision = default_decision(eng)
+        rows = [measure_prompt(eng, name, text, args.tokens, args.repeats) for name, text in PROMPTS.items()]
+        info = {"model": Path(eng.source).name, "device": eng.device, "budget": args.budget,
+                "plan": eng.stats().get("plan"), "torch_threads": torch.get_num_threads()}
+    finally:
+        eng.close()
+    print_table(rows)
+    print(f"default (speculative=None) on {info['device']}: "
+          f"{'speculates' if decision['speculates'] else 'does not speculate'}"
+          + (f" (predicted verify/one-token step cost {decision['predicted_cost_ratio']:.2f}, "
+             f"threshold {decision['max_cost_ratio']})" if decision.get("predicted_cost_ratio") else ""))
+    command = " ".join(["python -m engine.bench.ngram_speedup"] + (sys.argv[1:] if argv is None else list(argv)))
+    payload = {**info, "tokens": args.tokens, "repeats": args.repeats, "note": args.note,
+               "load_average_1m": {"start": load_start,
+                                   "end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
+               "default_decision": decision, "results": rows}
+    path = write_report(Path(args.out), "ngram_speedup", payload, command)
+    print(f"wrote {path}")
+    if not all(r["identical"] for r in rows):
+        print("speculation changed the greedy output", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
