@@ -449,7 +449,8 @@ class TorchEngine(Engine):
     def _vision_plan(self, grids):
         prof = self.planner().prof if self.accel is not None else None
         used = self.accel.total_used if self.accel is not None else 0
-        return self.vision_pass.plan(grids, prof, self.budget, used)
+        room = self.accel.budget if self.accel is not None else 0      # bookable: the process overhead is out
+        return self.vision_pass.plan(grids, prof, room, used)
 
     @torch.inference_mode()
     def _encode_vision(self, pixel_values, grids) -> torch.Tensor:
@@ -457,14 +458,14 @@ class TorchEngine(Engine):
         plan for the budget less the pass; the full plan returns at its next step)."""
         self._apply_pending_budget()
         plan = self._vision_plan(grids)
-        if plan.where == "gpu" and plan.vram_bytes > self.budget - self.accel.total_used:
-            room = self._make_planset(max(self.budget - plan.vram_bytes, 0))
+        if plan.where == "gpu" and plan.vram_bytes > self.accel.budget - self.accel.total_used:
+            room = self._make_planset(max(self.accel.budget - plan.vram_bytes, 0))
             self.executor.activate(room.for_tokens(1))
             self.executor.release_to_driver()
 
         def budget_dropped() -> bool:
             pending = self._pending_budget
-            return pending is not None and pending < self.accel.total_used
+            return pending is not None and self.accel.usable(pending) < self.accel.total_used
 
         return self.vision_pass.run(pixel_values, grids, plan, budget_dropped)
 

@@ -27,7 +27,7 @@ TAGS = ("weights", "kv", "slots", "scratch")
 _POLL_S = 0.0002
 _SPIN_S = 0.002      # busy-poll this long before sleeping between polls (a sleep costs ~0.1-0.3 ms more)
 CONTEXT_FALLBACK = 640 << 20          # a CUDA context + cuBLAS workspaces where NVML cannot say
-ALLOCATOR_MARGIN = (48 << 20, 0.02)   # allocator rounding and small unbooked tensors: max(48 MiB, 2%)
+ALLOCATOR_MARGIN = (160 << 20, 0.02)  # allocator rounding, workspaces, unbooked temporaries: max(160 MiB, 2%)
 
 
 def process_vram_bytes(index: int = 0) -> int | None:
@@ -108,7 +108,8 @@ class Accelerator:
         self.used = {t: 0 for t in TAGS}
         self.peak = 0
         self._lock = threading.Lock()
-        self.overhead, self.overhead_source = 0, "none (simulated device)"
+        sim_overhead = int(os.environ.get("SLIPSTREAM_SIM_OVERHEAD", "0"))   # tests: a simulated context
+        self.overhead, self.overhead_source = sim_overhead, "simulated (SLIPSTREAM_SIM_OVERHEAD)"
         if kind == "cuda":
             self._copy_stream = torch.cuda.Stream(self.device)
             self._pool = None
@@ -127,8 +128,10 @@ class Accelerator:
 
     def usable(self, budget: int) -> int:
         """What a whole-process budget leaves for bookings: less the process overhead and a margin."""
-        if self.kind != "cuda" or budget <= 0:
-            return max(budget, 0)
+        if budget <= 0:
+            return 0
+        if self.kind != "cuda":
+            return max(budget - self.overhead, 0)
         if os.environ.get("SLIPSTREAM_VRAM_OVERHEAD") == "0":
             return budget            # tests that size budgets in bytes of their own tiny models
         margin = max(ALLOCATOR_MARGIN[0], int(budget * ALLOCATOR_MARGIN[1]))

@@ -142,7 +142,10 @@ def _tokens(eng, image, n=8):
     return [e.token_id for e in eng.generate(QUESTION, images=[image], max_new_tokens=n)][:n]
 
 
-def test_vision_pass_stays_within_small_budgets(folder):
+@pytest.mark.parametrize("overhead", [0, 3 << 20])
+def test_vision_pass_stays_within_small_budgets(folder, overhead, monkeypatch):
+    """`overhead`: a simulated process overhead (a CUDA context): budgets are whole-process figures, and
+    the pass and the model must fit in what is left of them."""
     image = vf.picture(300, 500)
     cpu = engine.open_model(folder, device="cpu", backend="torch", speculative=False)
     want = _tokens(cpu, image)
@@ -162,9 +165,11 @@ def test_vision_pass_stays_within_small_budgets(folder):
     budgets = {"room for both": lm_all + 2 * most, "the model makes room": lm_all + least // 2,
                "only the pass fits": least + 1024, "nothing fits": least // 2}
     made_room = []
+    monkeypatch.setenv("SLIPSTREAM_SIM_OVERHEAD", str(overhead))
     for what, budget in budgets.items():
         eng = engine.open_model(folder, device="sim", backend="torch", speculative=False, kind="gpu_only",
-                                vram_budget=budget, tiers=TIERS)
+                                vram_budget=budget + overhead, tiers=TIERS)
+        assert eng.accel.budget == budget
         eng.force_vision("gpu")
         lm_before = eng.accel.total_used
         assert _tokens(eng, image) == want, what
