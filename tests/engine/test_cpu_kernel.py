@@ -30,7 +30,7 @@ def test_matches_float64_reference(dtype, rows, shape):
     x = torch.randn(rows, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype)
     for bias in (None, b):
-        y = kernels.linear(x, w, bias)
+        y = kernels.linear(x, w, bias, min_weights=0)
         assert y is not None and y.dtype == dtype and y.shape == (rows, n)
         ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
         once = (x.float() @ w.float().T + (0 if bias is None else bias.float())).to(dtype)
@@ -46,9 +46,9 @@ def test_several_threads_split_rows_exactly():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernels.linear(x, w)
+        one = kernels.linear(x, w, min_weights=0)
         torch.set_num_threads(2)
-        two = kernels.linear(x, w)
+        two = kernels.linear(x, w, min_weights=0)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)
@@ -59,13 +59,14 @@ def test_several_threads_split_rows_exactly():
 def test_leading_dims_and_fallbacks():
     w = torch.randn(64, 32)
     x = torch.randn(2, 3, 32)
-    y = kernels.linear(x, w)
+    y = kernels.linear(x, w, min_weights=0)
     assert y.shape == (2, 3, 64)
     assert torch.allclose(y, F.linear(x, w), atol=1e-5)
-    assert kernels.linear(torch.randn(17, 32), w) is None                  # more rows than the kernel takes
-    assert kernels.linear(x.to(torch.float64), w.to(torch.float64)) is None  # dtype it does not handle
-    assert kernels.linear(x.to(torch.bfloat16), w) is None                 # mixed dtypes
-    assert kernels.linear(torch.randn(1, 64), w.T) is None                 # non-contiguous weight
+    assert kernels.linear(x, w) is None                                    # too small to be worth it
+    assert kernels.linear(torch.randn(17, 32), w, min_weights=0) is None                  # more rows than the kernel takes
+    assert kernels.linear(x.to(torch.float64), w.to(torch.float64), min_weights=0) is None  # dtype it does not handle
+    assert kernels.linear(x.to(torch.bfloat16), w, min_weights=0) is None                 # mixed dtypes
+    assert kernels.linear(torch.randn(1, 64), w.T, min_weights=0) is None                 # non-contiguous weight
     # dense.linear always answers, through whichever path applies
     for xx in (torch.randn(1, 32), torch.randn(40, 32)):
         assert torch.allclose(dense.linear(xx, w), F.linear(xx, w), atol=1e-5)
