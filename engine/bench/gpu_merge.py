@@ -147,16 +147,20 @@ def markdown(result: dict) -> str:
 NOTES = [
     ("Random weights of the named shapes (speed does not depend on values); Slipstream and accelerate run "
     "bf16, llama.cpp F16 (same bytes; its most optimised 16-bit path)."),
-    ("VRAM: peak NVML bytes of the whole process, polled every 20-50 ms. A run fits budget B when that peak is "
-    "at most B + the allowance: the NVML bytes of the same program holding nothing (llama-bench with a tiny "
-    "model; a bare PyTorch process with cuBLAS for Slipstream and accelerate), measured in the same run."),
+    ("VRAM: peak NVML bytes of the whole process, polled every 20-50 ms. Slipstream counts its whole process "
+    "in its budget (CUDA context and workspaces measured at start), so it fits budget B when that peak is at "
+    "most B. llama.cpp and accelerate fit when the peak is at most B + the allowance: the NVML bytes of the "
+    "same program holding nothing (llama-bench with a tiny model; a bare PyTorch process with cuBLAS), "
+    "measured in the same run; so they get about 0.6-0.7 GiB more than Slipstream at each budget."),
     ("llama.cpp-default: llama-bench defaults, all CPU threads (-t), the largest -ngl that fits. llama.cpp-tuned: "
     "per metric the best fitting variant of no-mmap (-lm none), -ub 2048 -b 4096, attention on the GPU with "
     "FFNs on the CPU (-ot ffn_.*=CPU; --n-cpu-moe for MoE), each at its largest fitting configuration."),
     ("Prefill t/s: llama-bench pp512/pp4096 (with its warm-up); Slipstream prompt tokens / time to first token "
     "(median of --runs); accelerate one forward pass. Decode t/s: tg32 / 32 tokens after a 64-token prompt / "
     "4 tokens (accelerate: about 0.5 t/s, so few)."),
-    "Batched decode (4, 16 sequences): llama-batched-bench where it ran; Slipstream: not supported yet (n/s).",
+    ("Batched decode (4, 16 sequences): llama-batched-bench (aggregate t/s) where it ran; Slipstream: its "
+    "continuous-batching scheduler, 4 or 16 requests submitted at once, 16 new tokens each after a 64-token "
+    "prompt, aggregate tokens/s over the wall time (prefill included)."),
     "bound: not a run; the physical bound from the measured profile (see engine/bench/bound.py).",
     ("Co-run: the card is capped (BudgetPolicy total_cap for Slipstream's monitor; the stand-in's own "
     "accounting against NVML's device total for its simulated out-of-memory) to stand for a client GPU."),
