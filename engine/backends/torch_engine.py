@@ -36,6 +36,8 @@ INITIAL_KV_TOKENS = 2048
 KV_CUT_FLOOR_TOKENS = 64  # a budget drop cuts the KV capacity to twice the tokens in use, never below this
 SPEC_TOKENS = 6           # most tokens an n-gram proposal adds to a step
 SMALL_STEP = 16          # steps of up to this many tokens share one plan (see _plan_for_step)
+SPEC_PROBE_EVERY = 16    # with speculation judged not to pay, still try a verify step this often
+SPEC_EMA = 0.2           # weight of the newest step in the measured step times
 SPEC_MAX_COST = 1.3       # speculate when a step of SPEC_TOKENS + 1 tokens is predicted under 1.3x one
 
 
@@ -145,8 +147,9 @@ class TorchEngine(Engine):
         self._pending_budget: int | None = None
         self._budget_lock = threading.Lock()
         self.replans: list[dict] = []             # history of re-plans (time, budget, reason, ms)
-        self.speculative = speculative            # None: on where the plans say it pays (greedy only)
+        self.speculative = speculative            # None: greedy decoding speculates where measured to pay
         self.spec_stats = {"proposed": 0, "accepted": 0}
+        self._spec_timing: dict[str, float | None] = {"plain": None, "verify": None, "gain": None}
         self.executor.between_sublayers = self._apply_pending_budget
         self.scheduler = Scheduler(self, self.max_kv_tokens // BLOCK_SIZE, max_batch, max_step_tokens)
         self._batch_cond = threading.Condition()
@@ -298,6 +301,8 @@ class TorchEngine(Engine):
         s.update(budget=self.budget, plan=self.executor.plan.kind if self.executor.plan else None,
                  streamed_bytes=self.executor.copied_bytes, replans=len(self.replans),
                  spec_proposed=self.spec_stats["proposed"], spec_accepted=self.spec_stats["accepted"],
+                 spec_plain_ms=self._spec_timing["plain"], spec_verify_ms=self._spec_timing["verify"],
+                 spec_tokens_per_verify=self._spec_timing["gain"],
                  prefix_hit_tokens=kv.prefix_stats["hit_tokens"],
                  prefix_hit_rate=kv.prefix_stats["hit_tokens"] / max(kv.prefix_stats["prompt_tokens"], 1),
                  last_replan_ms=self.replans[-1]["replan_ms"] if self.replans else None)
@@ -518,7 +523,7 @@ class TorchEngine(Engine):
                 logits = self._run(seq, ids[common:], False)[-1]
             else:
                 logits = self._run(seq, ids, False, vision=vp)[-1]
-            if params.temperature == 0 and self._speculation_pays():
+            if params.temperature == 0 and self.speculative is not False:
                 yield from self._speculative_stream(seq, ids, int(torch.argmax(logits)), cancel)
                 return
             for _ in range(params.max_new_tokens):
@@ -546,6 +551,26 @@ class TorchEngine(Engine):
         many = self.planset.for_tokens(n_verify).predicted_ms
         return one > 0 and many / one < SPEC_MAX_COST
 
+    def _propose_now(self, step: int) -> bool:
+        """Whether this decode step carries n-gram proposals. Forced on with `speculative=True`; by
+        default (None) decided from measured step times, kept across requests: a verify step pays when
+        the tokens it yields per millisecond beat a plain step's (one plain step is measured first, and
+        a verify step is tried every SPEC_PROBE_EVERY steps to follow changes: a new plan, another prompt)."""
+        if self.speculative:
+            return True
+        t = self._spec_timing
+        if t["plain"] is None:
+            return False
+        if t["verify"] is None or step % SPEC_PROBE_EVERY == 0:
+            return True
+        return t["gain"] / t["verify"] >= 1.0 / t["plain"]
+
+    def _time_step(self, key: str, ms: float, gain: int = 1) -> None:
+        t = self._spec_timing
+        t[key] = ms if t[key] is None else (1 - SPEC_EMA) * t[key] + SPEC_EMA * ms
+        if key == "verify":
+            t["gain"] = gain if t["gain"] is None else (1 - SPEC_EMA) * t["gain"] + SPEC_EMA * gain
+
     def _speculative_stream(self, seq: Sequence, ids: list[int], first: int, cancel: CancelToken) -> Iterator[int]:
         from engine.speculative import NgramIndex, accepted_prefix
 
@@ -553,16 +578,22 @@ class TorchEngine(Engine):
         index.extend(ids + [first])
         tid = first
         eos = self.tokenizer.eos_token_ids
+        step = 0
         while True:
             yield tid
             if cancel.cancelled or tid in eos or seq.length + 1 >= self.context_length:
                 return
             room = self.context_length - seq.length - 1
-            proposal = index.propose(min(SPEC_TOKENS, room))
+            step += 1
+            proposal = index.propose(min(SPEC_TOKENS, room)) if self._propose_now(step) else []
             start = seq.length
+            t0 = time.perf_counter()
             logits = self._step(seq, [tid] + proposal, bool(proposal))
+            ms = (time.perf_counter() - t0) * 1e3
             greedy = torch.argmax(logits, dim=-1).tolist()
             n_ok = accepted_prefix(proposal, greedy)
+            if step > 1:                      # the first step may also switch plans: not a fair sample
+                self._time_step("verify" if proposal else "plain", ms, n_ok + 1)
             self.spec_stats["proposed"] += len(proposal)
             self.spec_stats["accepted"] += n_ok
             if n_ok < len(proposal):          # drop the KV of the rejected proposals

@@ -9,8 +9,7 @@ engine, runs alternated `--repeats` times, the median kept). Reported per prompt
 tokens/s (first token to last, prefill excluded), the speedup, proposals accepted / proposed, tokens per
 decode step, and whether both outputs are identical token for token (greedy speculation must not change
 them; the script exits 1 if they differ). Also recorded: what the engine decides by default
-(`speculative=None`) on this device and the planner's predicted cost of a verify step against a
-one-token step. Writes `<out>/ngram_speedup.json` (command, machine, date, results).
+(`speculative=None`) on this device from the step times it measured (plain and verify steps). Writes `<out>/ngram_speedup.json` (command, machine, date, results).
 
 Default model: the bundled SmolLM2-135M-Instruct (Q4_1 GGUF). On CUDA a small `--budget` streams the
 weights, so each step is bound by the bytes it moves and extra verified tokens cost little: where
@@ -181,21 +180,16 @@ def measure_prompt(eng, name: str, text: str, max_new_tokens: int, repeats: int)
 
 
 def default_decision(eng) -> dict:
-    """What `speculative=None` decides on this engine, and the planner's predicted step costs behind it."""
-    from engine.backends.torch_engine import SPEC_MAX_COST, SPEC_TOKENS
+    """What `speculative=None` (the default) decides on this engine after the runs: it times plain and
+    verify steps and proposes while a verify step yields more tokens per millisecond (see
+    TorchEngine._propose_now); the measured figures behind the decision."""
+    from engine.backends.torch_engine import SPEC_TOKENS
 
-    saved, eng.speculative = eng.speculative, None
-    try:
-        out = {"speculates": eng._speculation_pays(), "spec_tokens": SPEC_TOKENS, "max_cost_ratio": SPEC_MAX_COST}
-    finally:
-        eng.speculative = saved
-    if eng.accel is None:
-        out["why"] = "device cpu: no plan to predict step costs from, speculation stays off unless forced"
-    else:
-        one = eng.planset.for_tokens(1).predicted_ms
-        many = eng.planset.for_tokens(SPEC_TOKENS + 1).predicted_ms
-        out.update(predicted_ms_1_token=one, predicted_ms_verify_step=many,
-                   predicted_cost_ratio=many / one if one else None)
+    t = eng._spec_timing
+    out = {"rule": "measured step times", "spec_tokens": SPEC_TOKENS, "plain_ms": t["plain"],
+           "verify_ms": t["verify"], "tokens_per_verify": t["gain"]}
+    out["speculates"] = None if t["plain"] is None or t["verify"] is None else \
+        t["gain"] / t["verify"] >= 1.0 / t["plain"]
     return out
 
 
@@ -235,17 +229,17 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     eng = engine.open_model(args.model, device=args.device, vram_budget=args.budget, backend="torch")
     try:
-        decision = default_decision(eng)
         rows = [measure_prompt(eng, name, text, args.tokens, args.repeats) for name, text in PROMPTS.items()]
+        decision = default_decision(eng)
         info = {"model": Path(eng.source).name, "device": eng.device, "budget": args.budget,
                 "plan": eng.stats().get("plan"), "torch_threads": torch.get_num_threads()}
     finally:
         eng.close()
     print_table(rows)
     print(f"default (speculative=None) on {info['device']}: "
-          f"{'speculates' if decision['speculates'] else 'does not speculate'}"
-          + (f" (predicted verify/one-token step cost {decision['predicted_cost_ratio']:.2f}, "
-             f"threshold {decision['max_cost_ratio']})" if decision.get("predicted_cost_ratio") else ""))
+          f"{ {True: 'speculates', False: 'does not speculate', None: 'not yet measured'}[decision['speculates']] }"
+          + (f" (plain step {decision['plain_ms']:.1f} ms, verify step {decision['verify_ms']:.1f} ms yielding "
+             f"{decision['tokens_per_verify']:.2f} tokens)" if decision["speculates"] is not None else ""))
     command = " ".join(["python -m engine.bench.ngram_speedup"] + (sys.argv[1:] if argv is None else list(argv)))
     payload = {**info, "tokens": args.tokens, "repeats": args.repeats, "note": args.note,
                "load_average_1m": {"start": load_start,

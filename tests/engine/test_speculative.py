@@ -48,3 +48,23 @@ def test_repetitive_output_is_accepted(tiny_model):
     out = [e.token_id for e in eng.generate("a b c", max_new_tokens=80)]
     assert len(out) > 40
     assert eng.stats()["spec_accepted"] > 0
+
+
+def test_default_speculates_where_measured_to_pay(tiny_model):
+    """speculative=None: the engine times plain and verify steps and proposes while verify steps yield
+    more tokens per millisecond; output stays identical to plain greedy decoding."""
+    path = tiny_model("qwen2")
+    plain = engine.open_model(path, device="cpu", backend="torch", speculative=False)
+    want = [e.token_id for e in plain.generate("a b c", max_new_tokens=80)]
+    auto = engine.open_model(path, device="cpu", backend="torch")
+    got = [e.token_id for e in auto.generate("a b c", max_new_tokens=80)]
+    assert got == want
+    s = auto.stats()
+    assert s["spec_plain_ms"] is not None and s["spec_verify_ms"] is not None
+    assert s["spec_tokens_per_verify"] >= 1.0
+    # The decision follows the measurements: make verify steps look ten times dearer than what they
+    # yield and the engine stops proposing (but for its periodic probe).
+    auto._spec_timing.update(plain=1.0, verify=100.0, gain=1.5)
+    assert not auto._propose_now(1) and auto._propose_now(16)
+    auto._spec_timing.update(plain=10.0, verify=11.0, gain=3.0)
+    assert auto._propose_now(1)
