@@ -5,7 +5,10 @@
 `unload`, `shutdown`) run one at a time on the main thread; budget changes run on a control thread that
 coalesces them (only the newest budget matters). `api_start` / `api_stop` run the OpenAI-compatible API
 server (engine/serve/) inside this process on the loaded engine: its generations and the chat's queue at
-one `GenerationGate`, so they never overlap and a load or unload waits for a running API answer.
+one `GenerationGate`. On an engine that batches (`submit`) the chat and the API's requests hold the gate
+shared and run side by side in the engine's batched steps, each cancelled on its own; on other engines
+(llama.cpp) one generation runs at a time. A load or unload holds the gate exclusively, so it waits for
+running answers (chat and API) to end.
 A metrics thread reports tokens/s, time to first token, the plan per tier and the engine's own VRAM a
 few times a second, and notices re-plans the engine made on its own. Events go to the protocol stream only; anything else printed goes to stderr.
 """
@@ -26,7 +29,8 @@ from typing import IO, Any
 
 from engine.errors import SlipstreamError
 from engine.generation import CancelToken
-from engine.serve.gate import GenerationGate
+from engine.serve.gate import GateAbandoned, GenerationGate
+from engine.serve.runner import _batches  # an engine with `submit` batches (llama.cpp's has none)
 
 PROTOCOL_VERSION = 1
 _MODEL_SUFFIXES = (".safetensors", ".gguf", ".bin")
@@ -55,20 +59,24 @@ class TokenRate:
     def __init__(self, window_s: float = 2.0):
         self.window_s = window_s
         self._times: collections.deque[float] = collections.deque(maxlen=4096)
+        self._lock = threading.Lock()      # ticks come from the chat and the API's threads at once
 
     def reset(self) -> None:
-        self._times.clear()
+        with self._lock:
+            self._times.clear()
 
     def tick(self, now: float) -> None:
-        self._times.append(now)
+        with self._lock:
+            self._times.append(now)
 
     def rate(self, now: float) -> float | None:
-        while self._times and now - self._times[0] > self.window_s:
-            self._times.popleft()
-        if len(self._times) < 2:
-            return None
-        span = self._times[-1] - self._times[0]
-        return (len(self._times) - 1) / span if span > 0 else None
+        with self._lock:
+            while self._times and now - self._times[0] > self.window_s:
+                self._times.popleft()
+            if len(self._times) < 2:
+                return None
+            span = self._times[-1] - self._times[0]
+            return (len(self._times) - 1) / span if span > 0 else None
 
 
 class Worker:
@@ -88,17 +96,20 @@ class Worker:
         self._default_budget: int | None = None    # what the engine chose when opened without a budget
         self._budget_dirty = threading.Event()
         self._control_lock = threading.Lock()      # one engine control call (budget, force_plan) at a time
-        self._current_id: str | None = None
+        self._current_id: str | None = None        # the chat generation running now
         self._current_cancel: CancelToken | None = None
+        self._current_batched = False              # it runs in the engine's batch (cancel its token only)
         self._cancelled_ids: set[str] = set()
+        self._cancel_lock = threading.Lock()       # the running chat vs cancels arriving for it
         self._rate = TokenRate()
         self._last_ttft: float | None = None
         self._last_plan: dict | None = None
         self._stop = threading.Event()
-        self._gate = GenerationGate()              # one generation (chat or API) or load at a time
+        self._gate = GenerationGate()              # generations (shared where the engine batches) or a load
         self._api = None                           # the running ApiServer, if any
         self._api_lock = threading.Lock()
         self._api_busy = 0
+        self._busy_lock = threading.Lock()         # guards _api_busy
         self._api_key_source: str | None = None
 
     # ---- entry -----------------------------------------------------------------------------------
@@ -159,15 +170,17 @@ class Worker:
             self.events.emit("error", id=rid, message=f"unknown request type {kind!r}", kind="protocol")
 
     def _cancel(self, rid: str | None) -> None:
-        """Cancel generation `rid` (running or queued); None cancels whatever runs."""
-        if rid is not None and rid != self._current_id:
-            self._cancelled_ids.add(rid)
-            return
-        token = self._current_cancel
+        """Cancel chat generation `rid` (running or queued); None cancels the chat that runs. A chat in
+        the engine's batch is cancelled by its own token: the API's requests beside it go on."""
+        with self._cancel_lock:
+            if rid is not None and rid != self._current_id:
+                self._cancelled_ids.add(rid)
+                return
+            token, current, batched = self._current_cancel, self._current_id, self._current_batched
         if token is not None:
             token.cancel()
         engine = self._engine
-        if engine is not None and self._current_id is not None:
+        if engine is not None and current is not None and not batched:
             engine.cancel()
 
     def _set_budget(self, value) -> None:
@@ -251,14 +264,15 @@ class Worker:
     def _run_job(self, job: dict) -> None:
         kind, rid = job["type"], job.get("id")
         try:
-            with self._gate.hold():
-                if kind == "load":
-                    self._load(job)
-                elif kind == "generate":
-                    self._generate(job)
-                elif kind == "unload":
-                    self._close_engine()
-                    self.events.emit("unloaded", id=rid)
+            if kind == "generate":
+                self._generate(job)          # takes its own turn at the gate (shared where the engine batches)
+            else:
+                with self._gate.hold():
+                    if kind == "load":
+                        self._load(job)
+                    elif kind == "unload":
+                        self._close_engine()
+                        self.events.emit("unloaded", id=rid)
         except SlipstreamError as exc:
             self.events.emit("error", id=rid, message=str(exc), kind=kind)
             if kind == "generate":
@@ -300,11 +314,10 @@ class Worker:
 
     def _generate(self, job: dict) -> None:
         rid = job.get("id")
-        if rid in self._cancelled_ids:
-            self._cancelled_ids.discard(rid)
-            self.events.emit("done", id=rid, finish_reason="cancelled", stats={"generated_tokens": 0})
+        if self._take_cancelled(rid):
+            self._emit_cancelled(rid)
             return
-        engine = self._engine
+        engine = self._engine            # loads and unloads run on this thread: it stays for the whole job
         if engine is None:
             raise SlipstreamError("generate: no model is loaded (send 'load' first)")
         params = dict(job.get("params") or {})
@@ -314,15 +327,39 @@ class Worker:
             raise SlipstreamError(f"generate: unknown params {sorted(unknown)} (allowed: {sorted(allowed)})")
         images = [_open_image(p) for p in job.get("images") or []] or None
         prompt = job.get("messages") if job.get("messages") is not None else job.get("prompt", "")
+        batched = _batches(engine)
+        try:
+            self._gate.acquire(abandon=lambda: rid in self._cancelled_ids, shared=batched)
+        except GateAbandoned:            # cancelled while an API answer held the engine
+            self._take_cancelled(rid)
+            self._emit_cancelled(rid)
+            return
+        try:
+            self._stream(rid, engine, batched, prompt, images, params)
+        finally:
+            self._gate.release(shared=batched)
+
+    def _stream(self, rid, engine, batched: bool, prompt, images, params: dict) -> None:
+        """Run one chat generation and stream its events: in the engine's batch (`submit`, beside the
+        API's requests) or alone (`generate`)."""
         token = CancelToken()
-        self._current_cancel = token
-        self._current_id = rid
-        self._rate.reset()
+        with self._cancel_lock:
+            cancelled = self._take_cancelled(rid)
+            if not cancelled:
+                self._current_id, self._current_cancel, self._current_batched = rid, token, batched
+        if cancelled:
+            self._emit_cancelled(rid)
+            return
+        if self._api_busy == 0:
+            self._rate.reset()
         t0 = time.perf_counter()
         n = 0
         reason = "error"
+        events = None
         try:
-            for ev in engine.generate(prompt, images=images, cancel=token, **params):
+            start = engine.submit if batched else engine.generate
+            events = start(prompt, images=images, cancel=token, **params)
+            for ev in events:
                 now = time.perf_counter()
                 if ev.finish_reason is not None:
                     if ev.text:
@@ -337,11 +374,25 @@ class Worker:
                 if self.pace_s:
                     token._event.wait(self.pace_s)  # demo/test pacing; wakes at once on cancel
         finally:
-            self._current_id = None
-            self._current_cancel = None
+            if events is not None:
+                events.close()       # a request left early (a stop string) leaves the batch now
+            with self._cancel_lock:
+                self._current_id, self._current_cancel, self._current_batched = None, None, False
         stats = dict(engine.stats())
+        if batched:
+            stats.update(events.stats)   # this request's own figures, not the last of the batch to end
         stats["generated_tokens"] = n
         self.events.emit("done", id=rid, finish_reason=reason, stats=stats)
+
+    def _take_cancelled(self, rid) -> bool:
+        if rid in self._cancelled_ids:
+            self._cancelled_ids.discard(rid)
+            return True
+        return False
+
+    def _emit_cancelled(self, rid) -> None:
+        """A chat cancelled before it started."""
+        self.events.emit("done", id=rid, finish_reason="cancelled", stats={"generated_tokens": 0})
 
     def _close_engine(self) -> None:
         with self._engine_lock:
@@ -399,9 +450,10 @@ class Worker:
         self._api = server
 
     def _api_activity(self, busy: bool) -> None:
-        if busy:
-            self._rate.reset()
-        self._api_busy += 1 if busy else -1
+        with self._busy_lock:
+            if busy and self._api_busy == 0 and self._current_id is None:
+                self._rate.reset()       # a fresh rate when nothing else runs; beside others, their sum
+            self._api_busy += 1 if busy else -1
 
     def _stop_api(self) -> None:
         server, self._api = self._api, None
