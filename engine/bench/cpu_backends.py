@@ -86,7 +86,8 @@ def open_engine(backend: str, source, threads: int):
     torch.set_num_threads(threads)
     if backend == "llamacpp":
         return engine.open_model(source, backend="llamacpp", device="cpu", n_threads=threads)
-    return engine.open_model(source, backend=backend, device="cpu")
+    return engine.open_model(source, backend=backend, device="cpu",
+                             speculative=False)  # plain decoding, as llama.cpp runs
 
 
 def machine_info() -> dict:

@@ -18,7 +18,7 @@ def open_shape(shape: str, budget, device: str = "cuda", seed: int = 0, n_ctx: i
     from engine.loading.random_init import random_model
 
     loaded = random_model(get_shape(shape), seed=seed, name=shape)
-    return TorchEngine(loaded, device=device, vram_budget=budget, n_ctx=n_ctx)
+    return TorchEngine(loaded, device=device, vram_budget=budget, n_ctx=n_ctx, speculative=False)
 
 
 class NvmlPoller:

@@ -29,6 +29,7 @@ def open_engine(scenario, budget: int, device: str, n_ctx: int, **engine_kwargs)
 
     cfg = scenario.engine_config()
     loaded = random_model(cfg, seed=0, name=scenario.model)
+    engine_kwargs.setdefault("speculative", False)   # plain decoding, as the baselines run
     eng = TorchEngine(loaded, device=device, vram_budget=budget, n_ctx=n_ctx, **engine_kwargs)
     del loaded
     _empty_cache()

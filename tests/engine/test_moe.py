@@ -54,6 +54,7 @@ def open_tiny(path, group_size: int = 0, **kwargs):
     if group_size:
         loaded.config = dataclasses.replace(loaded.config, expert_group_size=group_size)
     kwargs.setdefault("device", DEVICE)
+    kwargs.setdefault("speculative", False)      # steps of one token each: byte counts per decode step
     return TorchEngine(loaded, tiers=TIERS, profile=slow_cpu_profile(), **kwargs)
 
 
