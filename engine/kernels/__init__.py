@@ -39,6 +39,7 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ISA = {0: "portable C", 1: "AVX-512", 2: "AVX512-BF16"}
 
 _lock = threading.Lock()
+_busy = threading.Lock()       # held while the native pool runs a job
 _lib = None
 _why_not: str | None = None
 _threads = 0
@@ -180,8 +181,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     wc = w
     b = None if bias is None else bias.contiguous()
     y = torch.empty(x2.shape[0], w.shape[0], dtype=w.dtype)
-    rc = lib.sl_linear(_DTYPES[w.dtype], x2.data_ptr(), wc.data_ptr(), None if b is None else b.data_ptr(),
-                       y.data_ptr(), x2.shape[0], w.shape[0], w.shape[1])
+    if not _busy.acquire(blocking=False):   # one job at a time on the shared pool; another thread's call
+        return None                         # (a second engine in the process) takes PyTorch's path
+    try:
+        rc = lib.sl_linear(_DTYPES[w.dtype], x2.data_ptr(), wc.data_ptr(), None if b is None else b.data_ptr(),
+                           y.data_ptr(), x2.shape[0], w.shape[0], w.shape[1])
+    finally:
+        _busy.release()
     if rc != 0:
         return None
     return y.reshape(*x.shape[:-1], w.shape[0])

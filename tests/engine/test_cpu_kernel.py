@@ -89,3 +89,32 @@ def test_disabled_by_environment(tmp_path):
 def test_without_a_compiler_falls_back_with_a_reason(tmp_path):
     out = _status_in_subprocess({"CC": "", "PATH": str(tmp_path), "SLIPSTREAM_KERNEL_CACHE": str(tmp_path)})
     assert out.startswith("torch (") and "compiler" in out
+
+
+@needs_kernel
+def test_concurrent_callers_all_get_right_answers():
+    """The native pool runs one job at a time; a caller that finds it busy gets PyTorch's result, never a
+    mixed one."""
+    import threading
+
+    w = torch.randn(2048, 512).to(torch.bfloat16)
+    xs = [torch.randn(2, 512).to(torch.bfloat16) for _ in range(4)]
+    want = [F.linear(x.float(), w.float()) for x in xs]
+    errors, native = [], []
+
+    def run(i):
+        for _ in range(50):
+            y = kernels.linear(xs[i], w, min_weights=0)
+            if y is None:
+                y = F.linear(xs[i], w)
+            else:
+                native.append(i)
+            if (y.float() - want[i]).abs().max() > 0.05 * want[i].abs().max():
+                errors.append(i)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and native
