@@ -125,6 +125,9 @@ class TorchEngine(Engine):
         else:
             index = int(self.device.split(":")[1]) if ":" in self.device else 0
             self.accel = Accelerator("sim" if self.device == "sim" else "cuda", index)
+        from engine import kernels
+
+        kernels.prepare_async()                     # the native CPU matmul builds while weights are packed
         report(0.6, "packing weights into host memory")
         self.executor = Executor(cfg, loaded.weights, self.accel, self.dtype, kv_fp8=kv_dtype == "fp8")
         self._set_host_kv(host_kv_gib)

@@ -130,6 +130,25 @@ def _load():
         return lib
 
 
+_building = threading.Event()
+
+
+def prepare_async() -> None:
+    """Build/load the library on a background thread (an engine calls this at open), so the first decode
+    step never waits for the compiler; until it is ready, callers take PyTorch's path."""
+    if _lib is not None or _why_not is not None or _building.is_set():
+        return
+    _building.set()
+
+    def build() -> None:
+        try:
+            _load()
+        finally:
+            _building.clear()
+
+    threading.Thread(target=build, name="slipstream-kernel-build", daemon=True).start()
+
+
 def _sync_threads(lib) -> None:
     global _threads
     want = torch.get_num_threads()
@@ -139,8 +158,11 @@ def _sync_threads(lib) -> None:
                 _threads = lib.sl_set_threads(want, int(os.environ.get("SLIPSTREAM_KERNEL_SPIN", SPIN)))
 
 
-def status() -> str:
-    """One line: which CPU matmul path small-batch linear layers take, and why."""
+def status(wait: bool = False) -> str:
+    """One line: which CPU matmul path small-batch linear layers take, and why (`wait`: for a build in
+    progress to finish, where the answer must be final, as in a profile's fingerprint)."""
+    if _building.is_set() and not wait:
+        return "torch (the native kernel is still being built)"
     lib = _load()
     if lib is None:
         return f"torch ({_why_not})"
@@ -158,6 +180,8 @@ def set_enabled(flag: bool) -> bool:
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, min_weights: int = MIN_WEIGHTS) -> bool:
+    if _building.is_set():
+        return False
     return (_enabled and x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype and x.dtype in _DTYPES
             and w.dim() == 2 and x.shape[-1] == w.shape[1] and 0 < x.numel() // max(w.shape[1], 1) <= MAX_ROWS
             and w.numel() >= min_weights

@@ -80,7 +80,7 @@ def fingerprint(device: str) -> dict:
 
     fp = {"schema": SCHEMA, "device": device, "cpu": _cpu_model(), "cpu_threads": os.cpu_count(),
           "torch_threads": torch.get_num_threads(), "torch": torch.__version__.split("+")[0],
-          "cpu_matmul": kernels.status()}
+          "cpu_matmul": kernels.status(wait=True)}
     if device.startswith("cuda"):
         index = int(device.split(":")[1]) if ":" in device else 0
         props = torch.cuda.get_device_properties(index)

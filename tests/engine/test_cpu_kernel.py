@@ -118,3 +118,24 @@ def test_concurrent_callers_all_get_right_answers():
     for t in threads:
         t.join()
     assert not errors and native
+
+
+def test_background_build_never_blocks_a_caller(tmp_path):
+    """An engine starts the build at open; a matmul issued meanwhile takes PyTorch's path, and once the
+    build is done the native path answers."""
+    code = ("import time, torch\n"
+            "from engine import kernels\n"
+            "kernels.prepare_async()\n"
+            "w = torch.randn(64, 32); x = torch.randn(1, 32)\n"
+            "early = kernels.linear(x, w, min_weights=0)\n"
+            "t = time.time()\n"
+            "while kernels._building.is_set() and time.time() - t < 120: time.sleep(0.05)\n"
+            "late = kernels.linear(x, w, min_weights=0)\n"
+            "print(early is None, late is not None, kernels.status())\n")
+    env = {**os.environ, "SLIPSTREAM_KERNEL_CACHE": str(tmp_path)}      # empty cache: a real build
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=180,
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert r.returncode == 0, r.stderr
+    early_none, late_native, status = r.stdout.split(maxsplit=2)
+    assert early_none == "True"
+    assert late_native == ("True" if status.startswith("native") else "False")
