@@ -353,8 +353,8 @@ class TorchEngine(Engine):
     def _plan_for_step(self, n_new: int):
         """The plan of the step's tier; but a small step (a decode, a speculative verify, a small batch)
         keeps the small-step plan already in place: switching plans moves weights in and out of VRAM,
-        which costs more than the better placement saves on one short step (measured on the H200: decode
-        alternating with 7-token verify steps ran 4x slower than its plan predicted)."""
+        which costs more than the better placement saves on one short step (decode alternating with
+        7-token verify steps would otherwise swap resident weights at every step)."""
         plan = self.planset.for_tokens(n_new)
         cur = self.executor.plan
         if (cur is not None and plan is not cur and n_new <= SMALL_STEP and cur.tier <= SMALL_STEP

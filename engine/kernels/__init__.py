@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 SPIN = 2000               # pause instructions a kernel worker spins for the next job before sleeping (~0.1 ms)
 MIN_WEIGHTS = 1 << 22      # smaller matrices stay with PyTorch: waking a second thread pool costs more than
-                           # it saves (a 135M model decoded at 15 instead of 24 tokens/s on two cores)
+                           # it saves (a 135M model decoded slower with it on two cores)
 MAX_ROWS = 16              # above this many rows PyTorch's blocked GEMM (AMX/AVX-512) is the better path
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ISA = {0: "portable C", 1: "AVX-512", 2: "AVX512-BF16"}
