@@ -59,7 +59,8 @@ def streams_experts(plan: dict) -> bool:
     return plan["placements"].get("experts", {}).get("streamed", 0) > 0
 
 
-def run(args) -> dict:
+def run(args, save=None) -> dict:
+    """Every row measured; `save(partial_result)` after each row, so a run cut short keeps its rows."""
     table = DRY_SCENARIOS if args.device == "sim" and args.model in DRY_SCENARIOS else SCENARIOS
     if args.model not in table or table[args.model].kind != "moe":
         known = [n for n, s in {**SCENARIOS, **DRY_SCENARIOS}.items() if s.kind == "moe"]
@@ -89,6 +90,10 @@ def run(args) -> dict:
                            "seconds": round(time.perf_counter() - t1, 1), "decode_plan": plan,
                            "plan": compact_plan(eng.plan_report())}
                     rows.append(row)
+                    if save is not None:
+                        save({"model": scenario.model, "note": scenario.note, "device": args.device,
+                              "tokens": args.tokens, "open_seconds": round(open_s, 1), "rows": rows,
+                              "partial": True})
                     print(f"  {bname} {kind}{'' if routed is None else ' (whole groups)'}: "
                           f"{m['decode_tps']:.2f} tok/s (predicted {plan['predicted_tps'] or 0:.2f}), "
                           f"{format_bytes(int(m['copied_bytes_per_step']))} copied/step, plan {plan['plan']}, "
@@ -122,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-whole", action="store_true", help="skip the whole-group streaming baseline")
     ap.add_argument("--out", default="docs/benchmarks/gpu")
     args = ap.parse_args(argv)
-    result = run(args)
-    print_table(result)
     command = " ".join(["python -m engine.bench.moe_decode"] + (argv if argv is not None else sys.argv[1:]))
+    result = run(args, save=lambda partial: write_report(Path(args.out), "moe_decode", partial, command))
+    print_table(result)
     path = write_report(Path(args.out), "moe_decode", result, command)
     print(f"wrote {path}")
     return 0
