@@ -11,6 +11,8 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # Tests size VRAM budgets in bytes of their tiny models: on CUDA the process's own overhead (context,
 # workspaces) is not charged to them. The engine's default charges it (see engine.sharding.device).
 os.environ.setdefault("SLIPSTREAM_VRAM_OVERHEAD", "0")
+# As the engine sets it (engine/__init__.py), before anything here loads torch's OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 

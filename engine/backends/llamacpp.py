@@ -26,10 +26,9 @@ from engine.generation import CancelToken, Sampler, SamplingParams
 from engine.loading.tokenizer import render_chat_template
 from engine.units import parse_bytes
 
-# llama.cpp's OpenMP threads spin while waiting by default; on a desktop where a game keeps the cores
-# busy that collapses throughput (measured 3 tok/s instead of 30 with 2 threads on 2 busy cores). Sleep
-# instead. Read once when llama.cpp's libraries load, so it is set before llama_cpp is first imported.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OMP_WAIT_POLICY=PASSIVE is set by engine/__init__.py before llama.cpp's libraries load: its OpenMP
+# threads spin while waiting by default, which on a desktop where a game keeps the cores busy collapses
+# throughput (measured 3 tok/s instead of 30 with 2 threads on 2 busy cores).
 
 DEFAULT_MAX_CONTEXT = 8192      # context allocated when n_ctx is not given (capped by the model's own)
 _SCRATCH_RESERVE = 256 * 2**20  # VRAM kept for llama.cpp's compute buffers when choosing n_gpu_layers

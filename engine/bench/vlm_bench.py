@@ -372,6 +372,8 @@ def run_accelerate(args) -> dict:
     with VramPoller([os.getpid()], 0.01) as poll:
         t0 = time.perf_counter()
         clock.t0 = t0
+        if poll.available:
+            clock.peak = lambda: poll.peak(os.getpid())
         ids, tokens = gen_once(picture(*IMAGE_SIZE), args.new_tokens, clock)
         total = time.perf_counter() - t0
     first = clock.first - t0 if clock.first else None
@@ -389,18 +391,27 @@ def run_accelerate(args) -> dict:
 
 class _FirstTokenClock:
     """A streamer noting when the first generated token arrives (the first put is the prompt) and
-    printing it at once, so a run cut short by the time limit still reports its time to first token."""
+    printing it at once, then every 8 tokens the tokens so far, their time and the NVML peak so far, so a
+    run cut short by the time limit still reports what it measured."""
 
     def __init__(self):
         self.t0, self.first, self.puts = 0.0, None, 0
+        self.peak = None            # () -> NVML peak bytes so far, where NVML is available
 
     def put(self, value) -> None:
         self.puts += 1
+        now = time.perf_counter()
         if self.puts == 2:
-            self.first = time.perf_counter()
+            self.first = now
             print("RESULT-PARTIAL " + json.dumps({"ttft_s": round(self.first - self.t0, 3)}), flush=True)
         elif self.puts > 2 and self.puts % 8 == 0:
-            say(f"accelerate: {self.puts - 1} tokens after {time.perf_counter() - self.t0:.0f} s")
+            n = self.puts - 1
+            part = {"partial_tokens": n, "partial_elapsed_s": round(now - self.t0, 3),
+                    "partial_decode_tps": round((n - 1) / (now - self.first), 3)}
+            if self.peak is not None:
+                part["nvml_peak_bytes"] = self.peak()
+            print("RESULT-PARTIAL " + json.dumps(part), flush=True)
+            say(f"accelerate: {n} tokens after {now - self.t0:.0f} s")
 
     def end(self) -> None:
         pass
@@ -474,6 +485,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--out", default="docs/benchmarks/gpu")
     ap.add_argument("--skip-accelerate", action="store_true")
+    ap.add_argument("--skip-slipstream", action="store_true")
     ap.add_argument("--slipstream-limit", type=float, default=180.0, help="seconds")
     ap.add_argument("--accelerate-limit", type=float, default=170.0, help="seconds")
     ap.add_argument("--profile-db", default="docs/benchmarks/profiles/h200.json")
@@ -489,7 +501,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vlm-bench-") as tmp:
         args.config_dir = str(write_config(args.shape, Path(tmp) / f"qwen2_5_vl-{args.shape}"))
-        results = {"slipstream": spawn("slipstream", args, args.slipstream_limit)}
+        results = {"slipstream": {"skipped": "--skip-slipstream"} if args.skip_slipstream
+                   else spawn("slipstream", args, args.slipstream_limit)}
         if args.skip_accelerate:
             results["accelerate"] = {"skipped": "--skip-accelerate"}
         else:

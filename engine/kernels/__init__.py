@@ -90,7 +90,7 @@ def _build() -> Path:
             tmp_path = Path(tmp.name)
         cmd = [cc, "-O3", *arch, "-shared", "-fPIC", "-pthread", "-o", str(tmp_path), str(SOURCE), "-lm"]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+            r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:
             r = None
             errors.append(f"{' '.join(cmd)}: {e}")
@@ -123,6 +123,9 @@ def _load():
         lib.sl_linear.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                   ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         lib.sl_linear.restype = ctypes.c_int
+        lib.sl_linear_batch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        lib.sl_linear_batch.restype = ctypes.c_int
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
@@ -215,3 +218,47 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     if rc != 0:
         return None
     return y.reshape(*x.shape[:-1], w.shape[0])
+
+
+MAX_BATCH = 1024           # matmuls in one `linear_many` call (the C side's limit)
+
+
+def linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor],
+                min_weights: int | None = None) -> torch.Tensor | None:
+    """`cat([x @ w.T for x, w in zip(xs, ws)])` as one job on the native pool: the experts a step routes
+    to, each a matrix too small to be worth a pool wake-up of its own. Every w is [N, K] (one shape),
+    every x [m_i, K] with 1 <= m_i <= MAX_ROWS, all on the CPU in one dtype. Returns [sum m_i, N], or
+    None where the kernel does not apply (the caller then loops with PyTorch). `min_weights` applies to
+    the matrices together."""
+    if not xs or len(xs) != len(ws) or len(xs) > MAX_BATCH or not _enabled or _building.is_set():
+        return None
+    w0 = ws[0]
+    if w0.dim() != 2 or w0.dtype not in _DTYPES or w0.numel() * len(ws) < (MIN_WEIGHTS if min_weights is None
+                                                                           else min_weights):
+        return None
+    n, k = w0.shape
+    for x, w in zip(xs, ws):
+        if (w.shape != w0.shape or w.dtype != w0.dtype or x.dtype != w0.dtype or w.device.type != "cpu"
+                or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k or not 0 < x.shape[0] <= MAX_ROWS
+                or not x.is_contiguous() or not w.is_contiguous() or x.requires_grad or w.requires_grad):
+            return None
+    lib = _load()
+    if lib is None:
+        return None
+    _sync_threads(lib)
+    counts = [x.shape[0] for x in xs]
+    y = torch.empty(sum(counts), n, dtype=w0.dtype)
+    es, at, yp = y.element_size(), y.data_ptr(), []
+    for c in counts:
+        yp.append(at)
+        at += c * n * es
+    arr = ctypes.c_void_p * len(xs)
+    if not _busy.acquire(blocking=False):
+        return None
+    try:
+        rc = lib.sl_linear_batch(_DTYPES[w0.dtype], len(xs), arr(*[x.data_ptr() for x in xs]),
+                                 arr(*[w.data_ptr() for w in ws]), arr(*yp),
+                                 (ctypes.c_int64 * len(xs))(*counts), n, k)
+    finally:
+        _busy.release()
+    return y if rc == 0 else None

@@ -247,17 +247,24 @@ static struct {
     atomic_uint gen;             /* bumped once per job */
     atomic_int pending;          /* workers still running the current job */
     atomic_int stop;
-    const linear_job *job;
+    const linear_job *jobs;      /* the current batch: n_jobs matmuls of one shape, split as one */
+    int n_jobs;
     int spin;                    /* pause instructions a worker spins before sleeping */
     unsigned start_gen;          /* gen when the workers were created: a job may be posted before they run */
-} pool = {0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 20000, 0};
+} pool = {0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 20000, 0};
 
-static void run_share(const linear_job *j, int i, int n) {
-    /* contiguous row ranges, multiples of ROWS, one per thread */
-    int64_t blocks = (j->N + ROWS - 1) / ROWS;
-    int64_t b0 = blocks * i / n, b1 = blocks * (i + 1) / n;
-    int64_t n0 = b0 * ROWS, n1 = b1 * ROWS < j->N ? b1 * ROWS : j->N;
-    if (n0 < n1) linear_rows(j, n0, n1);
+static void run_share(const linear_job *jobs, int n_jobs, int i, int n) {
+    /* The jobs' row blocks (ROWS weight rows each) laid end to end; thread i takes one contiguous range
+     * of them, so every thread streams about the same number of weight bytes whatever the job sizes. */
+    int64_t per = (jobs[0].N + ROWS - 1) / ROWS, blocks = per * n_jobs;
+    int64_t g0 = blocks * i / n, g1 = blocks * (i + 1) / n;
+    for (int64_t g = g0; g < g1;) {
+        int64_t jb = g / per, b0 = g % per, b1 = (g1 - jb * per) < per ? g1 - jb * per : per;
+        const linear_job *j = &jobs[jb];
+        int64_t n0 = b0 * ROWS, n1 = b1 * ROWS < j->N ? b1 * ROWS : j->N;
+        if (n0 < n1) linear_rows(j, n0, n1);
+        g = jb * per + b1;
+    }
 }
 
 static void *worker(void *arg) {
@@ -276,7 +283,7 @@ static void *worker(void *arg) {
         }
         if (atomic_load(&pool.stop)) return NULL;
         seen++;                  /* jobs are posted one at a time: the caller waits for every share */
-        run_share(pool.job, i, pool.n);
+        run_share(pool.jobs, pool.n_jobs, i, pool.n);
         atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel);
     }
 }
@@ -310,33 +317,56 @@ int sl_set_threads(int threads, int spin) {
     return pool.n;
 }
 
-/* y = x @ w.T (+ bias); dtype 0 fp32, 1 bf16, 2 fp16; all arrays contiguous, row-major. */
-int sl_linear(int dtype, const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
-              int64_t K) {
-    if (dtype < 0 || dtype > 2 || M < 0 || N < 0 || K < 0) return -1;
+/* Runs `n_jobs` matmuls of one shape (N, K) and dtype as one pool job. */
+static int run_jobs(const linear_job *jobs, int n_jobs) {
     if (pool.n == 0) sl_set_threads(1, -1);
-    linear_job j = {dtype, x, w, bias, y, M, N, K};
+    int64_t N = jobs[0].N, K = jobs[0].K;
     int n = pool.n;
-    int64_t blocks = (N + ROWS - 1) / ROWS;
+    int64_t blocks = (N + ROWS - 1) / ROWS * n_jobs;
     if (n > blocks) n = (int)(blocks > 0 ? blocks : 1);
-    if (N * K < (1 << 16)) n = 1;          /* too small to be worth waking the pool */
+    if (N * K * n_jobs < (1 << 16)) n = 1;  /* too small to be worth waking the pool */
     if (n <= 1 || pool.n <= 1) {
-        linear_rows(&j, 0, N);
+        for (int i = 0; i < n_jobs; i++) linear_rows(&jobs[i], 0, N);
         return 0;
     }
     /* every pool thread takes part (idle shares are empty); pool.n fixes the split */
-    pool.job = &j;
+    pool.jobs = jobs;
+    pool.n_jobs = n_jobs;
     atomic_store(&pool.pending, pool.n - 1);
     pthread_mutex_lock(&pool.mu);
     atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
     pthread_cond_broadcast(&pool.cv);
     pthread_mutex_unlock(&pool.mu);
-    run_share(&j, 0, pool.n);
+    run_share(jobs, n_jobs, 0, pool.n);
     for (int spins = 0; atomic_load_explicit(&pool.pending, memory_order_acquire) > 0; spins++) {
         CPU_RELAX();
         if (spins > 4096) sched_yield();   /* a worker was preempted (a loaded machine): let it run */
     }
     return 0;
+}
+
+/* y = x @ w.T (+ bias); dtype 0 fp32, 1 bf16, 2 fp16; all arrays contiguous, row-major. */
+int sl_linear(int dtype, const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
+              int64_t K) {
+    if (dtype < 0 || dtype > 2 || M < 0 || N < 0 || K < 0) return -1;
+    linear_job j = {dtype, x, w, bias, y, M, N, K};
+    return run_jobs(&j, 1);
+}
+
+/* y[i] = x[i] @ w[i].T for i < n_jobs, every w[i] [N, K] and x[i] [M[i], K] (the experts a step routes
+ * to: one pool job instead of one per expert). No bias. */
+#define MAX_BATCH 1024
+int sl_linear_batch(int dtype, int n_jobs, const void *const *x, const void *const *w, void *const *y,
+                    const int64_t *M, int64_t N, int64_t K) {
+    if (dtype < 0 || dtype > 2 || n_jobs < 0 || n_jobs > MAX_BATCH || N < 0 || K < 0) return -1;
+    if (n_jobs == 0) return 0;
+    linear_job jobs[MAX_BATCH];
+    for (int i = 0; i < n_jobs; i++) {
+        if (M[i] < 0) return -1;
+        linear_job j = {dtype, x[i], w[i], NULL, y[i], M[i], N, K};
+        jobs[i] = j;
+    }
+    return run_jobs(jobs, n_jobs);
 }
 
 /* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C. */

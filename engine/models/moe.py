@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.config import ModelConfig
 from engine.models.dense import linear, rms_norm
 
@@ -73,29 +74,76 @@ def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, 
 
 def experts_block(cfg: ModelConfig, w: dict[str, torch.Tensor], s: MoeState, experts: range) -> MoeState:
     """Add the weighted outputs of `experts` (the group whose stacked weights are `w`) for the tokens
-    routed to them into `s.out`.
+    routed to them into `s.out`."""
+    return experts_blocks(cfg, [(w, experts)], s)
 
-    A one-token step (decode) skips the gather and the scatter: the expert reads the token's row as is
-    and adds its weighted output in one fused multiply-add (5 kernels per routed expert instead of 7;
-    on a GPU decode is bound by kernel launches, as the host must wait for the router first)."""
-    gate_up = w.get("experts.gate_up.weight")
-    down = w["experts.down.weight"]
+
+def experts_blocks(cfg: ModelConfig, parts: list[tuple[dict[str, torch.Tensor], range]], s: MoeState) -> MoeState:
+    """`experts_block` over several groups of one layer (the executor passes the consecutive groups that
+    run on the CPU together), experts in ascending order.
+
+    On the CPU, where every routed expert has at most `kernels.MAX_ROWS` tokens (decode, small batches),
+    the routed experts' matmuls go to the native kernel as one pool job per projection (`linear_many`):
+    expert matrices are too small for a pool wake-up each, and PyTorch's few-row bf16 path reaches a
+    fraction of DRAM speed. Otherwise each expert runs alone: a one-token step (decode) skips the gather
+    and the scatter (the expert reads the token's row as is and adds its weighted output in one fused
+    multiply-add: 5 kernels per routed expert instead of 7; on a GPU decode is bound by kernel launches,
+    as the host must wait for the router first)."""
+    if s.h.device.type == "cpu" and _experts_native(cfg, parts, s):
+        return s
     single = s.h.shape[0] == 1
-    for j, e in enumerate(experts):
-        a, b = s.bounds[e], s.bounds[e + 1]
-        if a == b:
-            continue
-        hx = s.h if single else s.h[s.rows[a:b]]
-        if gate_up is not None:
-            gate, up = linear(hx, gate_up[j]).chunk(2, dim=-1)
-        else:
-            gate, up = linear(hx, w["experts.gate.weight"][j]), linear(hx, w["experts.up.weight"][j])
-        y = linear(F.silu(gate) * up, down[j])
-        if single:
-            s.out.addcmul_(y, s.weights[a:b, None])
-        else:
-            s.out.index_add_(0, s.rows[a:b], (y * s.weights[a:b, None]).to(s.out.dtype))
+    for w, experts in parts:
+        gate_up = w.get("experts.gate_up.weight")
+        down = w["experts.down.weight"]
+        for j, e in enumerate(experts):
+            a, b = s.bounds[e], s.bounds[e + 1]
+            if a == b:
+                continue
+            hx = s.h if single else s.h[s.rows[a:b]]
+            if gate_up is not None:
+                gate, up = linear(hx, gate_up[j]).chunk(2, dim=-1)
+            else:
+                gate, up = linear(hx, w["experts.gate.weight"][j]), linear(hx, w["experts.up.weight"][j])
+            _add_expert(s, a, b, linear(F.silu(gate) * up, down[j]), single)
     return s
+
+
+def _add_expert(s: MoeState, a: int, b: int, y: torch.Tensor, single: bool) -> None:
+    if single:
+        s.out.addcmul_(y, s.weights[a:b, None])
+    else:
+        s.out.index_add_(0, s.rows[a:b], (y * s.weights[a:b, None]).to(s.out.dtype))
+
+
+def _experts_native(cfg: ModelConfig, parts, s: MoeState) -> bool:
+    """The routed experts of `parts` through `kernels.linear_many`; False (nothing done) where it does
+    not apply."""
+    routed = [(w, j, s.bounds[e], s.bounds[e + 1]) for w, experts in parts for j, e in enumerate(experts)
+              if s.bounds[e + 1] > s.bounds[e]]
+    if not routed or any(b - a > kernels.MAX_ROWS for _, _, a, b in routed):
+        return not routed
+    single = s.h.shape[0] == 1
+    hxs = [s.h if single else s.h[s.rows[a:b]] for _, _, a, b in routed]
+    if "experts.gate_up.weight" in routed[0][0]:
+        gu = kernels.linear_many(hxs, [w["experts.gate_up.weight"][j] for w, j, _, _ in routed])
+        if gu is None:
+            return False
+        gate, up = gu.chunk(2, dim=-1)
+    else:
+        gu = kernels.linear_many(hxs + hxs, [w[f"experts.{p}.weight"][j] for p in ("gate", "up")
+                                             for w, j, _, _ in routed])
+        if gu is None:
+            return False
+        gate, up = gu.chunk(2, dim=0)
+    act = F.silu(gate) * up                                       # [routed rows, intermediate]
+    counts = [b - a for _, _, a, b in routed]
+    acts = list(act.split(counts))
+    y = kernels.linear_many(acts, [w["experts.down.weight"][j] for w, j, _, _ in routed])
+    if y is None:
+        return False
+    for (_, _, a, b), yi in zip(routed, y.split(counts)):
+        _add_expert(s, a, b, yi, single)
+    return True
 
 
 def finish(s: MoeState) -> torch.Tensor:

@@ -356,7 +356,10 @@ class Executor:
         if streamed:
             self._pump()        # loads queued by the last step wait for routers only in routed steps
             self._prime(streamed)
+        fused: set[str] = set()       # expert groups already run together with an earlier group of their layer
         for name in self.order:
+            if name in fused:
+                continue
             if self.between_sublayers is not None and self.between_sublayers():
                 streamed = self._streamed_order()
                 here = self.order.index(name)
@@ -382,6 +385,8 @@ class Executor:
                 x = self._attention(layer, w, x, segs, decode, cos_sin[dev], dev)
             elif name not in self.moe_steps:
                 x = dense.ffn_block(cfg, w, x)
+            elif self.moe_steps[name] is not None and not on_gpu:
+                x = self._cpu_groups(name, w, x, fused)
             else:
                 x = self._moe_step(name, self.moe_steps[name], w, x)
             if streamed and self.plan.placement[name] is Placement.STREAMED:
@@ -411,6 +416,26 @@ class Executor:
             self._routing.pop(layer, None)
             return moe.finish(x)
         return x
+
+    def _cpu_groups(self, name: str, w, s, fused: set[str]):
+        """Expert group `name` on the CPU together with the groups of its layer that follow it there (one
+        native pool job per projection for all their routed experts); adds those to `fused`."""
+        at = self.order.index(name)
+        parts = [(w, self.moe_steps[name][0])]
+        last = self.moe_steps[name][1]
+        while not last and at + 1 < len(self.order):
+            at += 1
+            nxt = self.order[at]
+            if self.plan.placement[nxt] is not Placement.CPU:
+                break
+            parts.append((self._weights(nxt), self.moe_steps[nxt][0]))
+            last = self.moe_steps[nxt][1]
+            fused.add(nxt)
+        s = moe.experts_blocks(self.cfg, parts, s)
+        if last:
+            self._routing.pop(int(name.split(".")[1]), None)
+            return moe.finish(s)
+        return s
 
     def _wait_gpu(self) -> None:
         self.accel.wait_event_host(self.accel.compute_event())

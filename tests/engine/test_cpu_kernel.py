@@ -139,3 +139,37 @@ def test_background_build_never_blocks_a_caller(tmp_path):
     early_none, late_native, status = r.stdout.split(maxsplit=2)
     assert early_none == "True"
     assert late_native == ("True" if status.startswith("native") else "False")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_linear_many_matches_each_matmul(dtype):
+    """One pool job over matrices of one shape, each with its own rows (1..16), equals the matmuls one by
+    one through the same kernel; the split crosses matrix boundaries (rows not a multiple of 4, 2 threads)."""
+    g = torch.Generator().manual_seed(7)
+    ws = [torch.randn(301, 96, generator=g).to(dtype) for _ in range(5)]
+    xs = [torch.randn(m, 96, generator=g).to(dtype) for m in (1, 16, 3, 1, 7)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y = kernels.linear_many(xs, ws, min_weights=0)
+        each = torch.cat([kernels.linear(x, w, min_weights=0) for x, w in zip(xs, ws)])
+    finally:
+        torch.set_num_threads(before)
+    assert y is not None and y.shape == (28, 301) and y.dtype == dtype
+    assert torch.equal(y, each)
+    ref = torch.cat([x.double() @ w.double().T for x, w in zip(xs, ws)])
+    once = torch.cat([(x.float() @ w.float().T).to(dtype) for x, w in zip(xs, ws)])
+    assert _rel_err(y, ref) <= max(1.01 * _rel_err(once, ref), 2e-6)
+
+
+@needs_kernel
+def test_linear_many_declines_what_it_cannot_run():
+    w = torch.randn(8, 4)
+    assert kernels.linear_many([torch.randn(17, 4)], [w], min_weights=0) is None          # too many rows
+    assert kernels.linear_many([torch.randn(1, 4)], [torch.randn(8, 5)], min_weights=0) is None
+    assert kernels.linear_many([torch.randn(1, 4), torch.randn(1, 4)], [w, torch.randn(9, 4)],
+                               min_weights=0) is None                                      # two shapes
+    assert kernels.linear_many([torch.randn(1, 4).bfloat16()], [w], min_weights=0) is None   # two dtypes
+    assert kernels.linear_many([torch.randn(1, 4)], [w]) is None                         # below MIN_WEIGHTS
+    assert kernels.linear_many([], []) is None
