@@ -8,7 +8,9 @@ prediction and the engine's own counters.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -34,6 +36,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     budgets = args.budgets.split(",")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
     eng = open_shape(args.shape, budgets[0], device=args.device, n_ctx=1024)
     report = {}
     for b in budgets:
@@ -49,8 +53,10 @@ def main(argv=None) -> int:
         acts = [torch.profiler.ProfilerActivity.CPU]
         if args.device == "cuda":
             acts.append(torch.profiler.ProfilerActivity.CUDA)
+        eng.executor.label_sublayers = True
         with torch.profiler.profile(activities=acts) as prof:
             _decode(eng, args.steps)
+        eng.executor.label_sublayers = False
         table = prof.key_averages().table(sort_by="self_cpu_time_total" if args.device != "cuda"
                                           else "cuda_time_total", row_limit=25)
         print(table, flush=True)
@@ -66,7 +72,11 @@ def main(argv=None) -> int:
                      "plan": tier1["plan"], "copied_per_token": copied, "table": table,
                      "memcpy": {k: v for k, v in memcpy.items()}}
         if args.out:
-            prof.export_chrome_trace(str(Path(args.out) / f"decode_trace_{b}.json"))
+            raw = Path(args.out) / f"decode_trace_{b}.json"
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb", compresslevel=6) as g:
+                shutil.copyfileobj(f, g)
+            raw.unlink()
     eng.close()
     if args.out:
         (Path(args.out) / "decode_trace.json").write_text(json.dumps(report, indent=1, default=str))

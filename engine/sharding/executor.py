@@ -109,6 +109,7 @@ class Executor:
         self.slot_free_after: list = []             # compute event after the slot's last use
         self.between_sublayers: Callable[[], bool] | None = None
         self.copied_bytes = 0                       # weight bytes streamed so far (stats)
+        self.label_sublayers = False                # name each sub-layer in profiler traces
         # MoE sub-layers: router name -> None; expert group name -> (its experts, last group of its layer)
         self.moe_steps: dict[str, tuple[range, bool] | None] = {}
         for i in range(cfg.num_layers):
@@ -357,9 +358,15 @@ class Executor:
             self._pump()        # loads queued by the last step wait for routers only in routed steps
             self._prime(streamed)
         fused: set[str] = set()       # expert groups already run together with an earlier group of their layer
+        label = None
         for name in self.order:
             if name in fused:
                 continue
+            if self.label_sublayers:           # a profiler range per sub-layer (benchmarks' traces)
+                if label is not None:
+                    label.__exit__(None, None, None)
+                label = torch.profiler.record_function(f"{name}:{self.plan.placement[name].value}")
+                label.__enter__()
             if self.between_sublayers is not None and self.between_sublayers():
                 streamed = self._streamed_order()
                 here = self.order.index(name)
@@ -391,6 +398,8 @@ class Executor:
                 x = self._moe_step(name, self.moe_steps[name], w, x)
             if streamed and self.plan.placement[name] is Placement.STREAMED:
                 self._after_streamed(name, streamed)
+        if label is not None:
+            label.__exit__(None, None, None)
         for seg, it in zip(segs, items):
             seg.seq.length = seg.start + seg.n
             seg.seq.token_ids.extend(it.ids)
