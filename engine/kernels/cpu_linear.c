@@ -5,9 +5,9 @@
  * them with the activations in float32 (bf16 pairs through AVX512-BF16's dot product where the CPU has it),
  * accumulates in float32 and rounds the result once to the output precision, as a BLAS call would.
  *
- * Work is split into contiguous row ranges over a small pthread pool of its own: workers spin briefly
- * after a job (consecutive matmuls of one layer follow each other within microseconds) and then sleep on a
- * condition variable, so an idle engine costs no CPU.
+ * Work is cut into chunks of rows that a small pthread pool of its own claims from a shared counter:
+ * workers spin briefly after a job (consecutive matmuls of one layer follow each other within
+ * microseconds) and then sleep on a condition variable, so an idle engine costs no CPU.
  *
  * Built on the machine that runs it (`-O3 -march=native`), see engine/kernels/__init__.py.
  */
@@ -239,36 +239,51 @@ static void linear_rows(const linear_job *j, int64_t n_begin, int64_t n_end) {
 }
 
 /* ---- the thread pool ---------------------------------------------------------------------------- */
+/* A job is cut into chunks of whole ROWS blocks (about CHUNK_BYTES of weights each) that the caller and
+ * the workers claim one at a time from a shared counter, so a thread that wakes late (a sleeping worker on
+ * a virtual machine, a core taken by a game) only claims fewer chunks: the job ends when its chunks are
+ * done, not when the last thread has woken. The counter carries the job's number in its high half; a
+ * claim is a compare-and-swap against that number, so a worker that wakes after its job has ended never
+ * touches the next one's chunks through stale fields. */
+#define CHUNK_BYTES (256 * 1024)
+
 static struct {
     int n;                       /* threads including the caller */
     pthread_t th[MAX_THREADS];
     pthread_mutex_t mu;
     pthread_cond_t cv;
     atomic_uint gen;             /* bumped once per job */
-    atomic_int pending;          /* workers still running the current job */
+    atomic_ullong next;          /* (job number << 32) | next chunk to claim */
+    atomic_llong done;           /* chunks finished in the current job */
     atomic_int stop;
-    const linear_job *jobs;      /* the current batch: n_jobs matmuls of one shape, split as one */
+    const linear_job *jobs;      /* the current job: n_jobs matmuls of one shape, chunked as one */
     int n_jobs;
+    int64_t rows_per_chunk, chunks_per_job, chunks;
     int spin;                    /* pause instructions a worker spins before sleeping */
     unsigned start_gen;          /* gen when the workers were created: a job may be posted before they run */
-} pool = {0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 20000, 0};
+} pool = {0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0, 0, 20000, 0};
 
-static void run_share(const linear_job *jobs, int n_jobs, int i, int n) {
-    /* The jobs' row blocks (ROWS weight rows each) laid end to end; thread i takes one contiguous range
-     * of them, so every thread streams about the same number of weight bytes whatever the job sizes. */
-    int64_t per = (jobs[0].N + ROWS - 1) / ROWS, blocks = per * n_jobs;
-    int64_t g0 = blocks * i / n, g1 = blocks * (i + 1) / n;
-    for (int64_t g = g0; g < g1;) {
-        int64_t jb = g / per, b0 = g % per, b1 = (g1 - jb * per) < per ? g1 - jb * per : per;
-        const linear_job *j = &jobs[jb];
-        int64_t n0 = b0 * ROWS, n1 = b1 * ROWS < j->N ? b1 * ROWS : j->N;
-        if (n0 < n1) linear_rows(j, n0, n1);
-        g = jb * per + b1;
+/* Claim and run chunks of job `job_no` until none is left (or another job is current). */
+static void run_chunks(unsigned job_no) {
+    for (;;) {
+        unsigned long long v = atomic_load_explicit(&pool.next, memory_order_acquire);
+        if ((unsigned)(v >> 32) != job_no) return;
+        int64_t c = (int64_t)(v & 0xffffffffu);
+        if (c >= pool.chunks) return;
+        if (!atomic_compare_exchange_weak_explicit(&pool.next, &v, v + 1, memory_order_acq_rel,
+                                                   memory_order_acquire))
+            continue;
+        /* the job cannot end before this chunk is done, so its fields stay valid */
+        const linear_job *j = &pool.jobs[c / pool.chunks_per_job];
+        int64_t n0 = (c % pool.chunks_per_job) * pool.rows_per_chunk;
+        int64_t n1 = n0 + pool.rows_per_chunk < j->N ? n0 + pool.rows_per_chunk : j->N;
+        linear_rows(j, n0, n1);
+        atomic_fetch_add_explicit(&pool.done, 1, memory_order_acq_rel);
     }
 }
 
 static void *worker(void *arg) {
-    int i = (int)(intptr_t)arg;
+    (void)arg;
     unsigned seen = pool.start_gen;
     for (;;) {
         int spins = 0;
@@ -282,9 +297,8 @@ static void *worker(void *arg) {
             pthread_mutex_unlock(&pool.mu);
         }
         if (atomic_load(&pool.stop)) return NULL;
-        seen++;                  /* jobs are posted one at a time: the caller waits for every share */
-        run_share(pool.jobs, pool.n_jobs, i, pool.n);
-        atomic_fetch_sub_explicit(&pool.pending, 1, memory_order_acq_rel);
+        seen = atomic_load_explicit(&pool.gen, memory_order_acquire);   /* the current job, even if some were missed */
+        run_chunks(seen);
     }
 }
 
@@ -309,7 +323,7 @@ int sl_set_threads(int threads, int spin) {
     pool.n = threads;
     pool.start_gen = atomic_load(&pool.gen);
     for (int i = 1; i < threads; i++) {
-        if (pthread_create(&pool.th[i], NULL, worker, (void *)(intptr_t)i) != 0) {
+        if (pthread_create(&pool.th[i], NULL, worker, NULL) != 0) {
             pool.n = i;
             break;
         }
@@ -321,26 +335,35 @@ int sl_set_threads(int threads, int spin) {
 static int run_jobs(const linear_job *jobs, int n_jobs) {
     if (pool.n == 0) sl_set_threads(1, -1);
     int64_t N = jobs[0].N, K = jobs[0].K;
-    int n = pool.n;
-    int64_t blocks = (N + ROWS - 1) / ROWS * n_jobs;
-    if (n > blocks) n = (int)(blocks > 0 ? blocks : 1);
-    if (N * K * n_jobs < (1 << 16)) n = 1;  /* too small to be worth waking the pool */
-    if (n <= 1 || pool.n <= 1) {
+    size_t es = jobs[0].dtype == DT_F32 ? 4 : 2;
+    if (pool.n <= 1 || N * K * n_jobs < (1 << 16)) {   /* too small to be worth waking the pool */
         for (int i = 0; i < n_jobs; i++) linear_rows(&jobs[i], 0, N);
         return 0;
     }
-    /* every pool thread takes part (idle shares are empty); pool.n fixes the split */
+    int64_t rows = (int64_t)(CHUNK_BYTES / ((size_t)(K > 0 ? K : 1) * es));
+    rows = rows < ROWS ? ROWS : rows / ROWS * ROWS;
+    int64_t per = (N + rows - 1) / rows;
+    if (per * n_jobs < 4 * pool.n && N > ROWS) {       /* small matrices: smaller chunks, so all threads share */
+        int64_t want = (N * n_jobs + 4 * pool.n - 1) / (4 * pool.n);
+        rows = want < ROWS ? ROWS : (want + ROWS - 1) / ROWS * ROWS;
+        per = (N + rows - 1) / rows;
+    }
+    unsigned job_no = atomic_load(&pool.gen) + 1;
     pool.jobs = jobs;
     pool.n_jobs = n_jobs;
-    atomic_store(&pool.pending, pool.n - 1);
+    pool.rows_per_chunk = rows;
+    pool.chunks_per_job = per;
+    pool.chunks = per * n_jobs;
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.next, (unsigned long long)job_no << 32, memory_order_release);
     pthread_mutex_lock(&pool.mu);
-    atomic_fetch_add_explicit(&pool.gen, 1, memory_order_release);
+    atomic_store_explicit(&pool.gen, job_no, memory_order_release);
     pthread_cond_broadcast(&pool.cv);
     pthread_mutex_unlock(&pool.mu);
-    run_share(jobs, n_jobs, 0, pool.n);
-    for (int spins = 0; atomic_load_explicit(&pool.pending, memory_order_acquire) > 0; spins++) {
+    run_chunks(job_no);
+    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < pool.chunks; spins++) {
         CPU_RELAX();
-        if (spins > 4096) sched_yield();   /* a worker was preempted (a loaded machine): let it run */
+        if (spins > 4096) sched_yield();   /* a chunk's thread was preempted (a loaded machine): let it run */
     }
     return 0;
 }
@@ -359,7 +382,7 @@ int sl_linear(int dtype, const void *x, const void *w, const void *bias, void *y
 int sl_linear_batch(int dtype, int n_jobs, const void *const *x, const void *const *w, void *const *y,
                     const int64_t *M, int64_t N, int64_t K) {
     if (dtype < 0 || dtype > 2 || n_jobs < 0 || n_jobs > MAX_BATCH || N < 0 || K < 0) return -1;
-    if (n_jobs == 0) return 0;
+    if (n_jobs == 0 || N == 0) return 0;
     linear_job jobs[MAX_BATCH];
     for (int i = 0; i < n_jobs; i++) {
         if (M[i] < 0) return -1;
