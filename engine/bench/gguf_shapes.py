@@ -4,8 +4,9 @@
 
 Shapes: the dense Llama-3-8B (from `engine.bench.shapes`), the Qwen3-30B-A3B mixture of experts (its
 published config; `--layers` keeps the first N of its 48 layers) and tiny versions of both for dry runs.
-Weights are F16 by default (llama.cpp's most optimised 16-bit path; bf16 has the same bytes) or BF16,
-drawn once (normal, std 0.02) and reused as views, so a 16 GB file takes seconds plus the disk write.
+Weights are F16 by default (llama.cpp's most optimised 16-bit path; bf16 has the same bytes), BF16, or
+F32 holding the F16 file's values (a reference for tests), drawn once (normal, std 0.02) and reused as
+views, so a 16 GB file takes seconds plus the disk write.
 The tokenizer metadata is copied from a vocabulary-only GGUF of the model family when one is found in
 `--vocab-dir` (llama.cpp ships them: models/ggml-vocab-*.gguf), padded with unused tokens to the shape's
 vocabulary size; otherwise a synthetic SentencePiece-style vocabulary of the right size is written
@@ -168,7 +169,8 @@ def write_gguf(shape: GgufShape, out: Path, vocab_dir: Path | None = None, dtype
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.experts_used)
         w.add_expert_feed_forward_length(shape.expert_ffn)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_BF16 if dtype == "bf16" else gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type({"bf16": gguf.LlamaFileType.MOSTLY_BF16, "f32": gguf.LlamaFileType.ALL_F32}.get(
+        dtype, gguf.LlamaFileType.MOSTLY_F16))
     vocab_path = vocab_dir / shape.vocab_file if vocab_dir else None
     if vocab_path is not None and vocab_path.is_file():
         own = _copy_vocab(w, vocab_path, shape.vocab)
@@ -182,6 +184,8 @@ def write_gguf(shape: GgufShape, out: Path, vocab_dir: Path | None = None, dtype
     base = (rng.standard_normal(biggest, dtype=np.float32) * 0.02).astype(np.float16)
     if dtype == "bf16":
         base = (base.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    elif dtype == "f32":                 # the f16 file's values exactly (a reference for readers without f16)
+        base = base.astype(np.float32)
     raw = gguf.GGMLQuantizationType.BF16 if dtype == "bf16" else None
 
     def add(name: str, shape_: tuple[int, ...]) -> None:
@@ -220,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out")
     ap.add_argument("--vocab-dir", default=None)
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--dtype", choices=("f16", "bf16"), default="f16")
+    ap.add_argument("--dtype", choices=("f16", "bf16", "f32"), default="f16")
     args = ap.parse_args(argv)
     facts = write_gguf(gguf_shape(args.shape, args.layers), Path(args.out),
                        Path(args.vocab_dir) if args.vocab_dir else None, args.dtype)

@@ -145,18 +145,19 @@ def part_llamacpp(args, part: Partial, deadline, command: str) -> int:
         return 0 if args.dry_run else 1
     threads = lr.default_threads()
     part.meta.update(threads=threads, bins=str(bins), prompts=list(lr.PROMPTS), decode_tokens=lr.DECODE_TOKENS)
-    names = args.tuned.split(",") if args.tuned else [v.name for v in lp.TUNED if v.default_on]
-    tuned = [v for v in lp.TUNED if v.name in names]
     for scenario in pick(args.models, args.dry_run):
         if scenario.kind == "vl":
             continue
+        tuned, prompts = llamacpp_choices(args, scenario)
+        part.meta.setdefault("prompts_by_model", {})[scenario.model] = list(prompts)
         if not deadline.allows(lr.EST_RUN_S + 60):
             say(f"deadline: llama.cpp {scenario.model} left for a later call")
             break
         gguf, facts = scenario_gguf(scenario, args)
         part.meta.setdefault("gguf", {})[scenario.model] = facts
         shape = gguf_shape(scenario.gguf_shape, scenario.layers)
-        runner = lr.LlamaCppRunner(bins, gguf, shape, threads, part.log_dir / scenario.model, deadline, say=say)
+        runner = lr.LlamaCppRunner(bins, gguf, shape, threads, part.log_dir / scenario.model, deadline, say=say,
+                                   prompts=prompts)
         if "allowance_llamacpp" not in part.meta:
             tiny, _ = scenario_gguf(pick("tiny-llama", True)[0], args)
             part.meta["allowance_llamacpp"] = lr.llamacpp_allowance(runner, tiny)
@@ -174,6 +175,74 @@ def part_llamacpp(args, part: Partial, deadline, command: str) -> int:
         if not deadline.allows(lr.EST_RUN_S):
             say("deadline reached: the rest is left for a later call (--prior resumes it)")
             return 0
+    return 0
+
+
+def llamacpp_choices(args, scenario) -> tuple[list, tuple[int, ...]]:
+    """The tuned variants (run in this order) and llama-bench prompt lengths of one scenario: --tuned /
+    --llamacpp-prompts when given, else the scenario's own (the MoE shape: the --n-cpu-moe variants with
+    and without mmap, -p 512), else the defaults."""
+    from engine.bench import llamacpp_plan as lp
+
+    if args.tuned:
+        names = args.tuned.split(",")
+    elif scenario.llamacpp_tuned is not None:
+        names = list(scenario.llamacpp_tuned)
+    else:
+        names = [v.name for v in lp.TUNED if v.default_on]
+    by_name = {v.name: v for v in lp.TUNED}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"--tuned: unknown variant(s) {', '.join(unknown)}; known: {', '.join(by_name)}")
+    prompts_arg = getattr(args, "llamacpp_prompts", None)
+    prompts = tuple(int(p) for p in prompts_arg.split(",")) if prompts_arg else scenario.llamacpp_prompts
+    return [by_name[n] for n in dict.fromkeys(names)], prompts          # in the order given
+
+
+def plan_llamacpp(args, say=say) -> int:
+    """`--plan-only`: the llama.cpp runs the llamacpp part would start, without llama.cpp, a GPU or the
+    GGUF: per scenario, budget and variant the first command line (predicted from the prior C, or the C
+    learned in --prior's part-llamacpp.json), then the search simulated for peaks that miss the prediction
+    by -0.5 to +1 GB (learned C carried across budgets, as in the part): how many runs each would take."""
+    from engine.bench import llamacpp_plan as lp
+    from engine.bench import llamacpp_runs as lr
+    from engine.bench.gguf_shapes import gguf_shape
+
+    prior = {}
+    if args.prior and (Path(args.prior) / "part-llamacpp.json").is_file():
+        prior = json.loads((Path(args.prior) / "part-llamacpp.json").read_text())
+    allowance = prior.get("meta", {}).get("allowance_llamacpp")
+    source = "from --prior" if allowance else "assumed: the H200 figure of the first session"
+    allowance = int(allowance or 656408576)
+    learned = prior.get("state", {}).get("learned_c", {})
+    say(f"llama.cpp allowance {allowance / 2**20:.0f} MiB ({source}); fits: peak <= budget + allowance")
+    for scenario in pick(args.models, args.dry_run):
+        if scenario.kind == "vl":
+            continue
+        tuned, prompts = llamacpp_choices(args, scenario)
+        shape = gguf_shape(scenario.gguf_shape, scenario.layers)
+        gguf = lb.work_dir() / "models" / f"{scenario.model}-{args.gguf_dtype}.gguf"
+        runner = lr.LlamaCppRunner(lb.bin_dir(), gguf, shape, lr.default_threads(), lb.work_dir(), Deadline(None),
+                                   say=say, prompts=prompts)
+        budgets = pick_budgets(args.budgets, args.dry_run)
+        say(f"{scenario.model}: {shape.layers} layers, prompts {','.join(map(str, prompts))}, "
+            f"variants default + {', '.join(v.name for v in tuned)}")
+        for variant in [lp.DEFAULT, *tuned]:
+            c0 = lp.c_prior(variant, learned, scenario.model, [lp.DEFAULT, *tuned])
+            for bname, b in budgets:
+                x = max(0, lp.largest_fitting(shape, variant.mode, c0, b + allowance, runner.n_ctx))
+                peak = c0 + lp.offloaded_bytes(shape, variant.mode, x, runner.n_ctx)
+                say(f"  {variant.key} at {bname}: first run x={x} (predicted peak {peak / 2**30:.2f} GiB): "
+                    + lr.shell_join(runner.bench_argv(lp.variant_args(shape, variant, x))))
+            for offset in (-0.5e9, 0.0, 0.5e9, 1.0e9):
+                runs, c = [], c0
+                for bname, b in budgets:
+                    res = lp.search_fit(shape, variant.mode, b + allowance,
+                                        lambda x, t=c0 + offset: {"peak": t + lp.offloaded_bytes(
+                                            shape, variant.mode, x, runner.n_ctx)}, c, n_ctx=runner.n_ctx)
+                    c = res.learned_c if res.learned_c is not None else c
+                    runs.append(f"{bname}: x " + ",".join(map(str, res.runs)) + f" -> {res.x}")
+                say(f"    if the peak is {offset / 1e9:+.1f} GB off: " + "; ".join(runs))
     return 0
 
 

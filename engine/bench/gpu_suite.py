@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="llama.cpp tuned variants, comma-separated (default: those of llamacpp_plan.TUNED "
                         "marked default_on: nommap+ub2048+attn-gpu, nommap+ub2048, nommap+attn-gpu)")
     g.add_argument("--no-batched", action="store_true", help="skip llama-batched-bench")
+    g.add_argument("--llamacpp-prompts", default=None,
+                   help="llama-bench prompt lengths, comma-separated (default: the scenario's: 512,4096; the "
+                        "MoE shape 512, since each of its runs reloads 31 GB)")
+    g.add_argument("--plan-only", action="store_true",
+                   help="with --part llamacpp: print the llama-bench runs it would start and the simulated "
+                        "search per budget; runs nothing")
     g.add_argument("--gguf-dtype", default="f16", choices=("f16", "bf16"))
     g.add_argument("--corun-systems", default="slipstream,slipstream+overhead,llama.cpp",
                    help="slipstream: the app's wiring (monitor budget -> set_vram_budget); slipstream+overhead: "
@@ -109,6 +115,13 @@ def run(args: argparse.Namespace) -> int:
     if not parts or bad:
         print(f"--part: expected one or more of {', '.join(PARTS)} (got {args.part!r})", file=sys.stderr)
         return 2
+    if args.plan_only:
+        if parts != ["llamacpp"]:
+            print("--plan-only: only with --part llamacpp", file=sys.stderr)
+            return 2
+        from engine.bench import gpu_parts
+
+        return gpu_parts.plan_llamacpp(args)
     if args.deadline_epoch:
         os.environ["SLIPSTREAM_BENCH_DEADLINE"] = str(args.deadline_epoch)
     if len(parts) > 1:                        # each part in its own process: no CUDA context carries over

@@ -6,7 +6,8 @@ A configuration is a `Variant` (fixed flags) and an integer `x` that moves weigh
 - mode "ngl": `-ngl x` (x = 0 .. layers + 1; layers + 1 also offloads the output layer).
 - mode "attn": attention on the GPU, FFNs (MoE: experts) on the CPU. x <= layers + 1: `-ngl x` with every
   FFN on the CPU (`-ot "ffn_.*=CPU"`; MoE `--n-cpu-moe layers`); x > layers + 1: `-ngl 99` and the FFNs
-  of the first x - layers - 1 layers on the GPU too. VRAM grows with x in both modes.
+  of x - layers - 1 layers on the GPU too (dense: the first ones, by `-ot`; MoE: `--n-cpu-moe` keeps the
+  first layers' experts on the CPU, so the last ones move; the same bytes). VRAM grows with x in both modes.
 
 Fitting rule: a run fits budget B when its process's peak NVML bytes <= B + the allowance (the NVML
 bytes of the same program holding nothing: its CUDA context). The search predicts the peak as
@@ -44,7 +45,26 @@ TUNED = (
     Variant("nommap+ub2048", "llama.cpp-tuned", NO_MMAP + BIG_BATCH, "ngl", 3.2e9),
     Variant("nommap+attn-gpu", "llama.cpp-tuned", NO_MMAP, "attn", 1.7e9),
     Variant("nommap", "llama.cpp-tuned", NO_MMAP, "ngl", 1.7e9, default_on=False),   # ~ the default
+    # attention on the GPU with llama.cpp's default loading (mmap): loads in seconds where -lm none copies
+    # the whole file into pinned memory first (the 31 GB MoE shape: tens of seconds per run)
+    Variant("attn-gpu", "llama.cpp-tuned", (), "attn", 1.7e9, default_on=False),
 )
+
+
+def c_prior(variant: Variant, learned: dict, model: str, variants=()) -> float:
+    """The C a search starts from: the one learned for this variant (an earlier budget or call), else one
+    learned for a variant that differs only in how weights load (`-lm none` or not: the same VRAM),
+    else the variant's guess."""
+    own = learned.get(f"{model}|{variant.key}")
+    if own is not None:
+        return own
+    twin = [f for f in variant.flags if f not in NO_MMAP]
+    for other in variants:
+        if other.mode == variant.mode and [f for f in other.flags if f not in NO_MMAP] == twin:
+            c = learned.get(f"{model}|{other.key}")
+            if c is not None:
+                return c
+    return variant.prior_c
 
 
 def x_max(shape: GgufShape, mode: str) -> int:
@@ -83,10 +103,10 @@ def variant_args(shape: GgufShape, variant: Variant, x: int) -> list[str]:
         if shape.is_moe:
             return args + ["--n-cpu-moe", str(n)]
         return args + ["-ot", "ffn_.*=CPU"]
-    on_gpu = x - n - 1                   # FFNs (experts) of layers 0 .. on_gpu-1 on the GPU
+    on_gpu = x - n - 1                   # FFNs of layers 0 .. on_gpu-1 on the GPU
     args += ["-ngl", "99"]
-    if shape.is_moe:
-        return args + ["--n-cpu-moe", str(n - on_gpu)]
+    if shape.is_moe:                     # --n-cpu-moe N keeps the experts of layers 0 .. N-1 on the CPU:
+        return args + ["--n-cpu-moe", str(n - on_gpu)]   # those of the last on_gpu layers go to the GPU
     if on_gpu >= n:
         return args
     return args + ["-ot", rf"blk\.({_range(on_gpu, n)})\.ffn_.*=CPU"]

@@ -64,16 +64,23 @@ def shell_join(argv: list[str]) -> str:
 
 
 class LlamaCppRunner:
-    def __init__(self, bins: Path, gguf: Path, shape, threads: int, log_dir: Path, deadline, say=print):
+    def __init__(self, bins: Path, gguf: Path, shape, threads: int, log_dir: Path, deadline, say=print,
+                 prompts: tuple[int, ...] = PROMPTS):
         self.bins, self.gguf, self.shape, self.threads = bins, gguf, shape, threads
         self.log_dir, self.deadline, self.say = log_dir, deadline, say
+        self.prompts = tuple(prompts)
         self.env = tool_env(bins)
         self.n = 0
 
-    def bench_argv(self, args: list[str], prompts=PROMPTS, n_gen: int = DECODE_TOKENS) -> list[str]:
+    @property
+    def n_ctx(self) -> int:
+        """The largest context a run of this runner fills: the KV cache the VRAM prediction counts."""
+        return max(self.prompts)
+
+    def bench_argv(self, args: list[str], prompts=None, n_gen: int = DECODE_TOKENS) -> list[str]:
         return [str(self.bins / "llama-bench"), "-m", str(self.gguf), *args,
-                "-p", ",".join(str(p) for p in prompts), "-n", str(n_gen), "-r", "1", "-t", str(self.threads),
-                "-o", "jsonl"]
+                "-p", ",".join(str(p) for p in prompts or self.prompts), "-n", str(n_gen), "-r", "1",
+                "-t", str(self.threads), "-o", "jsonl"]
 
     def bench(self, variant: lp.Variant, x: int) -> dict:
         args = lp.variant_args(self.shape, variant, x)
@@ -146,12 +153,17 @@ def run_budget(runner: LlamaCppRunner, part, model: str, budget: str, budget_b: 
             runner.say(f"  deadline: {variant.key} at {budget} left for a later call")
             part.state.setdefault("pending", []).append(key)
             break
-        c_prior = learned.get(f"{model}|{variant.key}", variant.prior_c)
-        res = lp.search_fit(runner.shape, variant.mode, limit, lambda x, v=variant: runner.bench(v, x), c_prior)
-        if res.aborted:
+        c0 = lp.c_prior(variant, learned, model, [lp.DEFAULT, *tuned])
+        res = lp.search_fit(runner.shape, variant.mode, limit, lambda x, v=variant: runner.bench(v, x), c0,
+                            n_ctx=runner.n_ctx)
+        if res.aborted and res.best is None:
             runner.say(f"  {variant.key} at {budget}: cut by the time limit; left for a later call")
             part.state.setdefault("pending", []).append(key)
             break
+        if res.aborted:                  # keep what fits from the runs that finished, and say so
+            res.note = (f"search cut by the time limit; x={res.x} is the largest fitting configuration "
+                        "that ran, a larger one may fit")
+            runner.say(f"  {variant.key} at {budget}: {res.note}")
         if res.learned_c is not None:
             learned[f"{model}|{variant.key}"] = res.learned_c
         best = res.best
@@ -165,14 +177,25 @@ def run_budget(runner: LlamaCppRunner, part, model: str, budget: str, budget_b: 
         results[variant.key] = summary
         part.save()
     default = results.get(lp.DEFAULT.key)
+    runs_note = runs_note_for(runner.prompts)
     if default is not None:
         part.add(row_from_run("llama.cpp-default", model, budget, budget_b,
                               default if default.get("fits") else None, allowance,
-                              note="defaults (-t all threads), the largest -ngl that fits"))
+                              note="defaults (-t all threads), the largest -ngl that fits" + runs_note))
     tuned_runs = [results[v.key] for v in tuned if v.key in results]
     if tuned_runs:                    # possibly of fewer variants than asked: the row's note lists them
-        part.add(tuned_row(model, budget, budget_b, allowance, tuned_runs))
+        row = tuned_row(model, budget, budget_b, allowance, tuned_runs)
+        row["note"] += runs_note
+        part.add(row)
     part.save()
+
+
+def runs_note_for(prompts: tuple[int, ...]) -> str:
+    """What a row's note adds when its llama-bench runs are not the standard `-p 512,4096 -n 32 -r 1`."""
+    if tuple(prompts) == tuple(PROMPTS):
+        return ""
+    return (f"; llama-bench -p {','.join(str(p) for p in prompts)} -n {DECODE_TOKENS} -r 1 (no "
+            f"{max(PROMPTS)}-token prefill: every run reloads the model)")
 
 
 def tuned_row(model: str, budget: str, budget_b: int, allowance: int, runs: list[dict]) -> dict:

@@ -24,6 +24,11 @@ class Scenario:
     layers: int | None = None  # fewer layers than the real model (said in `note`)
     note: str = ""
     later: bool = False        # listed, but runs only when asked for by name
+    # llama.cpp rows: llama-bench's prompt lengths, and the tuned variants run when --tuned is not given
+    # (None: llamacpp_plan.TUNED's default set). Every llama-bench run reloads the model, so the 31 GB MoE
+    # shape runs fewer: no 4096-token prefill, only the variants that move experts (--n-cpu-moe), mmap first.
+    llamacpp_prompts: tuple[int, ...] = PROMPTS
+    llamacpp_tuned: tuple[str, ...] | None = None
 
     def engine_config(self):
         """The engine's ModelConfig of this shape (bf16), or raise if the engine does not know it."""
@@ -36,12 +41,14 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {
     "llama3-8b": Scenario("llama3-8b", "dense", "llama3-8b"),
     "qwen3-30b-a3b": Scenario("qwen3-30b-a3b", "moe", "qwen3-30b-a3b", layers=24,
-                              note="24 of its 48 layers (half the weights: 31 GB in 16-bit)"),
+                              note="24 of its 48 layers (half the weights: 31 GB in 16-bit)",
+                              llamacpp_prompts=(512,), llamacpp_tuned=("attn-gpu", "nommap+attn-gpu")),
     "qwen2.5-vl-7b": Scenario("qwen2.5-vl-7b", "vl", "", note="a 1440p image; not built yet", later=True),
 }
 DRY_SCENARIOS: dict[str, Scenario] = {
     "tiny-llama": Scenario("tiny-llama", "dense", "tiny-llama", note="dry run: tiny shape"),
-    "tiny-moe": Scenario("tiny-moe", "moe", "tiny-moe", note="dry run: tiny MoE shape"),
+    "tiny-moe": Scenario("tiny-moe", "moe", "tiny-moe", note="dry run: tiny MoE shape",
+                         llamacpp_prompts=(512,), llamacpp_tuned=("attn-gpu", "nommap+attn-gpu")),
 }
 DRY_BUDGETS = ("1MiB", "2MiB", "4MiB")
 
