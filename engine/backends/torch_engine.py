@@ -152,6 +152,9 @@ class TorchEngine(Engine):
         self.replans: list[dict] = []             # history of re-plans (time, budget, reason, ms)
         self.speculative = speculative            # None: greedy decoding speculates where measured to pay
         self.spec_stats = {"proposed": 0, "accepted": 0}
+        # Called with each speculative decode step's record ({"fed", "accepted", "next", "ms"}) where set
+        # (benchmarks record real acceptance patterns with it: engine.bench.ngram_speedup).
+        self.spec_observer = None
         self._spec_timing: dict[str, float | None] = {"plain": None, "verify": None, "gain": None}
         self.executor.between_sublayers = self._apply_pending_budget
         self.scheduler = Scheduler(self, self.max_kv_tokens // BLOCK_SIZE, max_batch, max_step_tokens)
@@ -574,6 +577,18 @@ class TorchEngine(Engine):
         if key == "verify":
             t["gain"] = gain if t["gain"] is None else (1 - SPEC_EMA) * t["gain"] + SPEC_EMA * gain
 
+    def _verify_step(self, seq: Sequence, fed: list[int]) -> list[int]:
+        """One speculative decode step: `fed` is the last token and the proposals after it (none: a plain
+        step). The model's argmax after every fed token (after the last only when nothing is proposed)."""
+        logits = self._step(seq, fed, len(fed) > 1)
+        return torch.argmax(logits, dim=-1).tolist()
+
+    def _keep_accepted(self, seq: Sequence, start: int, n_proposed: int, n_ok: int) -> None:
+        """After a verify step fed at length `start`: drop the KV of the rejected proposals, keeping the
+        fed token and the `n_ok` accepted ones."""
+        if n_ok < n_proposed:
+            self.executor.kv.truncate(seq, start + 1 + n_ok)
+
     def _speculative_stream(self, seq: Sequence, ids: list[int], first: int, cancel: CancelToken) -> Iterator[int]:
         from engine.speculative import NgramIndex, accepted_prefix
 
@@ -591,16 +606,16 @@ class TorchEngine(Engine):
             proposal = index.propose(min(SPEC_TOKENS, room)) if self._propose_now(step) else []
             start = seq.length
             t0 = time.perf_counter()
-            logits = self._step(seq, [tid] + proposal, bool(proposal))
+            greedy = self._verify_step(seq, [tid] + proposal)
             ms = (time.perf_counter() - t0) * 1e3
-            greedy = torch.argmax(logits, dim=-1).tolist()
             n_ok = accepted_prefix(proposal, greedy)
             if step > 1:                      # the first step may also switch plans: not a fair sample
                 self._time_step("verify" if proposal else "plain", ms, n_ok + 1)
             self.spec_stats["proposed"] += len(proposal)
             self.spec_stats["accepted"] += n_ok
-            if n_ok < len(proposal):          # drop the KV of the rejected proposals
-                self.executor.kv.truncate(seq, start + 1 + n_ok)
+            self._keep_accepted(seq, start, len(proposal), n_ok)
+            if self.spec_observer is not None:
+                self.spec_observer({"fed": [tid] + proposal, "accepted": n_ok, "next": greedy[n_ok], "ms": ms})
             for t in proposal[:n_ok]:
                 yield t
                 if cancel.cancelled or t in eos:

@@ -14,6 +14,19 @@ them; the script exits 1 if they differ). Also recorded: what the engine decides
 Default model: the bundled SmolLM2-135M-Instruct (Q4_1 GGUF). On CUDA a small `--budget` streams the
 weights, so each step is bound by the bytes it moves and extra verified tokens cost little: where
 speculation pays. On the CPU a step's cost grows with its tokens, so it may not.
+
+A large shape with a real acceptance pattern (engine.bench.ngram_replay):
+
+    python -m engine.bench.ngram_speedup --record docs/benchmarks/ngram_trace_code_edit.json [--tokens N]
+    python -m engine.bench.ngram_speedup --shape llama3-8b --budget 4GiB --device cuda
+                                         [--trace docs/benchmarks/ngram_trace_code_edit.json] [--repeats 2]
+
+`--record` keeps the code-edit prompt's speculative decode steps on the (bundled) model. `--shape` opens
+random weights of a named shape (engine.bench.shapes, or a dry-run shape of engine.bench.scenarios such
+as tiny-llama), replays that trace against plain decoding of the same tokens (the trace's acceptance,
+this shape's step costs), then runs the shape's own n-gram speculation on the code-edit prompt (its own
+acceptance on random weights, and whether its greedy output equals plain decoding). Writes
+`<out>/ngram_replay_<shape>.json`.
 """
 
 from __future__ import annotations
@@ -104,6 +117,7 @@ PROMPTS = {
                   "signature. Return the whole function, nothing else.\n\n```python\n" + CODE + "```"),
     "summarise": "Summarise this paragraph in three sentences.\n\n" + PARAGRAPH,
 }
+TRACE = "docs/benchmarks/ngram_trace_code_edit.json"   # the code-edit prompt's recorded decode steps
 
 
 def _decode(eng, messages, max_new_tokens: int) -> dict:
@@ -223,9 +237,18 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1, help="off/on pairs per prompt; the median is kept")
     ap.add_argument("--out", default="docs/benchmarks")
     ap.add_argument("--note", default="", help="free text kept in the report (e.g. the machine's load)")
+    ap.add_argument("--record", default=None, metavar="PATH",
+                    help="record the code-edit prompt's speculative decode trace to PATH (JSON) and stop")
+    ap.add_argument("--shape", default=None, help="replay a trace on random weights of this named shape")
+    ap.add_argument("--trace", default=TRACE, help=f"the trace --shape replays (default {TRACE})")
     args = ap.parse_args(argv)
     if args.tokens < 2 or args.repeats < 1:
         ap.error("--tokens must be 2 or more and --repeats 1 or more")
+    command = " ".join(["python -m engine.bench.ngram_speedup"] + (sys.argv[1:] if argv is None else list(argv)))
+    if args.record:
+        return record_main(args, command)
+    if args.shape:
+        return shape_main(args, command)
     load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     eng = engine.open_model(args.model, device=args.device, vram_budget=args.budget, backend="torch")
     try:
@@ -240,7 +263,6 @@ def main(argv=None) -> int:
           f"{ {True: 'speculates', False: 'does not speculate', None: 'not yet measured'}[decision['speculates']] }"
           + (f" (plain step {decision['plain_ms']:.1f} ms, verify step {decision['verify_ms']:.1f} ms yielding "
              f"{decision['tokens_per_verify']:.2f} tokens)" if decision["speculates"] is not None else ""))
-    command = " ".join(["python -m engine.bench.ngram_speedup"] + (sys.argv[1:] if argv is None else list(argv)))
     payload = {**info, "tokens": args.tokens, "repeats": args.repeats, "note": args.note,
                "load_average_1m": {"start": load_start,
                                    "end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None},
@@ -248,6 +270,109 @@ def main(argv=None) -> int:
     path = write_report(Path(args.out), "ngram_speedup", payload, command)
     print(f"wrote {path}")
     if not all(r["identical"] for r in rows):
+        print("speculation changed the greedy output", file=sys.stderr)
+        return 1
+    return 0
+
+
+
+def record_main(args, command: str) -> int:
+    """--record: the code-edit prompt's speculative decode trace on the (bundled) model."""
+    import engine
+    from engine.bench.ngram_replay import record_trace, trace_tokens
+
+    eng = engine.open_model(args.model, device=args.device, vram_budget=args.budget, backend="torch")
+    try:
+        trace = record_trace(eng, PROMPTS["code_edit"], args.tokens)
+        model = Path(eng.source).name
+    finally:
+        eng.close()
+    made = trace_tokens(trace)
+    print(f"{model}, code_edit: {len(trace['prompt_ids'])} prompt tokens, {len(trace['emitted'])} emitted "
+          f"({trace['finish']}), {trace['n_steps']} decode steps, accepted {trace['accepted']} / proposed "
+          f"{trace['proposed']}, plain decoding {trace['plain_tokens']} tokens, identical: {trace['identical']}")
+    out = Path(args.record)
+    path = write_report(out.parent, out.stem, {"prompt": "code_edit", "model": model, "device": args.device,
+                                              "note": args.note, **trace}, command)
+    print(f"wrote {path}")
+    if not trace["identical"] or made[:len(trace["emitted"])] != trace["emitted"]:
+        print("the trace does not reproduce plain greedy decoding", file=sys.stderr)
+        return 1
+    return 0
+
+
+def open_bench_shape(shape: str, budget, device: str, n_ctx: int):
+    """Random weights of a named shape (engine.bench.shapes) or a dry-run shape (tiny-llama, ...)."""
+    from engine.backends.torch_engine import TorchEngine
+    from engine.bench.gpu_common import open_shape
+    from engine.bench.scenarios import DRY_CONFIGS
+    from engine.loading.random_init import random_model
+
+    if shape not in DRY_CONFIGS:
+        return open_shape(shape, budget, device=device, n_ctx=n_ctx)
+    return TorchEngine(random_model(DRY_CONFIGS[shape](), seed=0, name=shape), device=device,
+                       vram_budget=budget, n_ctx=n_ctx, speculative=False)
+
+
+def print_replay(rep: dict, own: dict) -> None:
+    print("| run | tokens | decode steps | ms per token | speedup | accepted / proposed |")
+    print("|---|---|---|---|---|---|")
+    print(f"| plain decoding, the trace's tokens | {rep['kept_tokens']} | {rep['plain_steps']} | "
+          f"{rep['plain_ms_per_token']:.2f} | | - |")
+    print(f"| replay of the recorded code-edit trace (real acceptance) | {rep['kept_tokens']} | "
+          f"{rep['replay_steps']} | {rep['replay_ms_per_token']:.2f} | {rep['speedup']:.2f}x | "
+          f"{rep['accepted']} / {rep['proposed']} |")
+    for mode in ("off", "on"):
+        m = own[mode]
+        ms = f"{1e3 / m['tokens_per_s']:.2f}" if m["tokens_per_s"] else "-"
+        acc = f"{m['accepted']} / {m['proposed']}" if m["proposed"] else "-"
+        speed = f"{own['speedup']:.2f}x" if mode == "on" and own["speedup"] else ""
+        print(f"| this shape's own speculation {mode} (random weights) | {m['tokens']} | {m['decode_steps']} | "
+              f"{ms} | {speed} | {acc} |")
+    print("\n| mode | tokens per step | steps | plan | median ms | mean ms | predicted ms |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in ("plain", "replay"):
+        for r in rep[f"{mode}_by_step_size"]:
+            pred = f"{r['predicted_ms']:.2f}" if r["predicted_ms"] is not None else "-"
+            print(f"| {mode} | {r['fed']} | {r['steps']} | {', '.join(r['plans'])} | {r['median_ms']:.2f} | "
+                  f"{r['mean_ms']:.2f} | {pred} |")
+
+
+def shape_main(args, command: str) -> int:
+    """--shape: replay the trace on random weights of the shape, then the shape's own speculation."""
+    import json
+
+    import torch
+
+    from engine.bench.ngram_replay import replay
+
+    trace = json.loads(Path(args.trace).read_text())
+    n_ctx = max(4096, len(trace["prompt_ids"]) + trace["kept_by_steps"] + 64)
+    eng = open_bench_shape(args.shape, args.budget, args.device, n_ctx)
+    try:
+        rep = replay(eng, trace, args.repeats)
+        rep["kv_tokens"] = eng.kv_tokens           # the KV capacity the plans were made for
+        own = measure_prompt(eng, "code_edit", PROMPTS["code_edit"], args.tokens, args.repeats)
+        own["kv_tokens"] = eng.kv_tokens           # grows (a re-plan) where its prompt needs more
+        decision = default_decision(eng)
+        plans = [{k: v for k, v in p.report().items() if k != "placement"} for p in eng.planset.plans] \
+            if eng.planset is not None else None
+        info = {"shape": args.shape, "device": eng.device, "budget": args.budget, "plans": plans,
+                "torch_threads": torch.get_num_threads()}
+    finally:
+        eng.close()
+    own.pop("output_text")               # random weights: the text means nothing
+    print(f"{args.shape} on {info['device']}, budget {args.budget}: trace {args.trace} "
+          f"({trace['model']}, {len(trace['prompt_ids'])} prompt tokens)")
+    print_replay(rep, own)
+    payload = {**info, "trace": args.trace, "trace_model": trace["model"], "repeats": args.repeats,
+               "tokens": args.tokens, "note": args.note, "replay": rep,
+               "own_speculation": {"label": "this shape's random weights: its own acceptance, not a code edit's",
+                                   **own},
+               "default_decision": decision}
+    path = write_report(Path(args.out), f"ngram_replay_{args.shape}", payload, command)
+    print(f"wrote {path}")
+    if not own["identical"]:
         print("speculation changed the greedy output", file=sys.stderr)
         return 1
     return 0
