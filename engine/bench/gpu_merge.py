@@ -141,6 +141,8 @@ def markdown(result: dict) -> str:
             f"({m.get('cpu_threads')} threads), driver {m.get('driver')}, PCIe {m.get('pcie')}, torch "
             f"{m.get('torch')}.\n\n{notes}\n\n## Budgets\n\n{table(result['rows'])}\n\n"
             f"## Co-run (game stand-in on the same GPU)\n\n{corun_table(result['corun'])}\n\n"
+            f"## Other GPU runs (issues 7 and 8; docs/benchmarks/README.md explains them)\n\n"
+            f"{related_table(result.get('related') or [])}\n\n"
             "Plots: `results_decode.png`, `results_prefill.png`, `corun_timeline.png`.\n")
 
 
@@ -167,6 +169,57 @@ NOTES = [
 ]
 
 
+def _related_row(path: Path) -> dict | None:
+    """Key figures of one of the other issues' GPU reports under `gpu/` (None if absent or unknown)."""
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    name, fig = path.stem, {}
+    if name == "batch_throughput":
+        fig = {f"{r['streams']} streams tok/s": round(r["aggregate_tokens_per_s"], 1)
+               for r in d.get("rows", []) if r.get("streams") and r.get("aggregate_tokens_per_s")}
+    elif name == "kv_restore":
+        fig = {k: d.get(k) for k in ("tokens", "restore_ms", "recompute_ms", "restore_speedup_vs_recompute",
+                                     "logits_identical_after_restore") if k in d}
+    elif name.startswith("ngram_replay"):
+        rep = d.get("replay", {})
+        fig = {"plain ms/token": rep.get("plain_ms_per_token"), "replay ms/token": rep.get("replay_ms_per_token"),
+               "speedup": rep.get("speedup"), "accepted/proposed": f"{rep.get('accepted')}/{rep.get('proposed')}"}
+    elif name.startswith("vlm_"):
+        for system in ("slipstream", "accelerate"):
+            r = d.get(system) or {}
+            if r.get("ttft_s") is not None:
+                fig[system] = {k: r.get(k) for k in ("ttft_s", "total_s", "new_tokens", "decode_tps",
+                                                     "nvml_peak_bytes")}
+    elif name.startswith("moe_decode"):
+        fig = {f"{r['budget']} {r['kind']}{'' if r.get('routed', True) else ' whole groups'}": round(r["decode_tps"], 2)
+               for r in d.get("rows", [])}
+    else:
+        return None
+    return {"file": f"gpu/{path.name}", "command": d.get("command"), "date": d.get("date"), "figures": fig}
+
+
+def related(results_dir: Path) -> list[dict]:
+    """The other issues' GPU reports kept beside the suite (`gpu/*.json`), with their key figures."""
+    rows = []
+    for name in ("batch_throughput", "kv_restore", "ngram_replay_llama3-8b", "vlm_7b", "vlm_7b_accelerate",
+                 "moe_decode", "moe_decode_native"):
+        r = _related_row(results_dir / "gpu" / f"{name}.json")
+        if r is not None:
+            rows.append(r)
+    return rows
+
+
+def related_table(rows: list[dict]) -> str:
+    if not rows:
+        return "none"
+    out = ["| file | figures | command |", "|---|---|---|"]
+    for r in rows:
+        out.append(f"| `{r['file']}` | {json.dumps(r['figures'], default=str)} | `{r['command']}` |")
+    return "\n".join(out)
+
+
 def merge(folders: list[Path], out: Path, dry_run: bool = False, say=print) -> int:
     parts = load_parts(folders)
     if not parts:
@@ -182,6 +235,7 @@ def merge(folders: list[Path], out: Path, dry_run: bool = False, say=print) -> i
     if any(r.get("model") == "qwen3-30b-a3b" for r in rows):
         notes.append("qwen3-30b-a3b: 24 of its 48 layers (all runs alike).")
     result = {"machine": machine, "date": now_iso(), "rows": rows, "corun": corun, "notes": notes,
+              "related": related(out),
               "parts": {n: {k: p.get(k) for k in ("started", "updated")} | {"commands": p.get("meta", {})
                                                                               .get("commands")}
                         for n, p in parts.items()}}
