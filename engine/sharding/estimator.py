@@ -101,14 +101,15 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
     hidden_bytes = n * cfg.hidden_size * db
     to_gpu = np.full(len(spec.sublayers), prof.move_ms(hidden_bytes, True))
     to_gpu[0] = prof.move_ms(n * 8, True)
-    to_cpu = prof.move_ms(hidden_bytes, False)
+    move_to_cpu = prof.move_ms(hidden_bytes, False)
+    to_cpu = move_to_cpu + prof.cpu_wake_ms     # and the CPU's matmul threads wake up after GPU work
     extra = None
     if cfg.is_moe:
         # Into an expert group: the MoE state (three hidden-sized tensors and the sorted routing).
         state_bytes = 3 * hidden_bytes + n * cfg.num_experts_per_tok * 12
         is_exp = np.array([s.kind == "experts" for s in spec.sublayers])
         to_gpu[is_exp] = prof.move_ms(state_bytes, True)
-        extra = np.where(is_exp, prof.move_ms(state_bytes, False) - to_cpu, 0.0)
+        extra = np.where(is_exp, prof.move_ms(state_bytes, False) - move_to_cpu, 0.0)
     routed = routed_copies(spec, prof, n) if routed_streaming(cfg, n) else (None, None, None)
     return StepCosts(ms["gpu"], ms["cpu"], to_gpu, to_cpu, prof.move_ms(rows * cfg.vocab_size * 4, False),
                      prof.op_ms("gpu", 2), extra, *routed)

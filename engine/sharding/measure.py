@@ -228,15 +228,15 @@ def thread_sweep(sizes: Sizes, step: _Steps) -> dict[str, float]:
     return out
 
 
-def ffn_block_factors(sizes: Sizes, gemm: dict, op_us: float) -> dict[str, float]:
-    """Measured time of the engine's own CPU FFN block (norm, fused gate/up, SwiGLU, down; weights laid
-    out and placed as the executor keeps them) over the time the GEMM table and op overhead predict, at
-    the smallest and largest token counts. The profile scales the CPU tables by it."""
+def _ffn_blocks(sizes: Sizes):
+    """(run(i, x), bytes per block, dtype) over FFN blocks of the profile's shape, laid out and placed as
+    the executor keeps them, cycling through more weight bytes than the caches hold; None without the
+    engine's model code."""
     try:
         from engine.config import ModelConfig
         from engine.models.dense import ffn_block
     except ImportError:
-        return {}
+        return None
     dtype = "bfloat16" if "bfloat16" in sizes.dtypes else sizes.dtypes[0]
     dt, h, f = _TORCH[dtype], sizes.hidden, sizes.ffn
     cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=h, intermediate_size=f, num_layers=1,
@@ -245,14 +245,62 @@ def ffn_block_factors(sizes: Sizes, gemm: dict, op_us: float) -> dict[str, float
     blocks = [{"ffn_norm.weight": _weights((1, h), dt, 0, "cpu", sizes.pinned)[0][0],
                "gate_up.weight": _weights((2 * f, h), dt, 0, "cpu", sizes.pinned)[0],
                "down.weight": _weights((h, f), dt, 0, "cpu", sizes.pinned)[0]} for _ in range(count)]
+    return (lambda i, x: ffn_block(cfg, blocks[i % count], x)), 3 * h * f * _DTYPE_BYTES[dtype], dtype
+
+
+def ffn_block_factors(sizes: Sizes, gemm: dict, op_us: float) -> dict[str, float]:
+    """Measured time of the engine's own CPU FFN block (norm, fused gate/up, SwiGLU, down) over the time the
+    GEMM table and op overhead predict, at the smallest and largest token counts. The profile scales the
+    CPU tables by it."""
+    made = _ffn_blocks(sizes)
+    if made is None:
+        return {}
+    run, _, dtype = made
+    h, f = sizes.hidden, sizes.ffn
     rows = {int(n): r for n, r in gemm[dtype]["ffn"]}
     out = {}
     for n in (sizes.tokens[0], sizes.tokens[-1]):
-        x = torch.randn(n, h, dtype=dt)
-        sec = time_host(lambda i, x=x: ffn_block(cfg, blocks[i % count], x), sizes.min_time_s)
+        x = torch.randn(n, h, dtype=_TORCH[dtype])
+        sec = time_host(lambda i, x=x: run(i, x), sizes.min_time_s)
         predicted = 6.0 * h * f * n / (rows[n] * 1e9) + 7 * op_us / 1e6
         out[str(n)] = round(min(3.0, max(0.5, sec / predicted)), 4)
     return out
+
+
+IDLE_S = 0.002     # a GPU stretch between two CPU sub-layers of a mixed decode plan (attention, a copy wait)
+
+
+def ffn_block_after_idle(sizes: Sizes, reps: int = 24) -> dict[str, float]:
+    """A one-token FFN block back to back ("hot") and after `IDLE_S` of sleep ("after idle"), as a decode
+    step of a mixed plan runs it: between two CPU sub-layers the GPU works and the CPU's matmul threads
+    go to sleep, so each CPU sub-layer starts by waking them (slow on virtual machines and busy
+    desktops). The estimator adds the difference to every GPU -> CPU crossing."""
+    made = _ffn_blocks(sizes)
+    if made is None:
+        return {}
+    run, nbytes, dtype = made
+    x = torch.randn(1, sizes.hidden, dtype=_TORCH[dtype])
+    hot = time_host(lambda i: run(i, x), sizes.min_time_s)
+    times = []
+    run(0, x)
+    for i in range(1, reps + 1):
+        time.sleep(IDLE_S)
+        t = time.perf_counter()
+        run(i, x)
+        times.append(time.perf_counter() - t)
+    idle = statistics.median(times)
+    return {"hot_ms": round(hot * 1e3, 4), "after_idle_ms": round(idle * 1e3, 4), "idle_s": IDLE_S,
+            "block_bytes": nbytes}
+
+
+def ffn_block_pass(sizes: Sizes):
+    """(fn(i), bytes per call) running one-token FFN blocks, or None (for the link measurements)."""
+    made = _ffn_blocks(sizes)
+    if made is None:
+        return None
+    run, nbytes, dtype = made
+    x = torch.randn(1, sizes.hidden, dtype=_TORCH[dtype])
+    return (lambda i: run(i, x)), nbytes
 
 
 def device_section(sizes: Sizes, device, step: _Steps) -> dict:
@@ -266,11 +314,13 @@ def device_section(sizes: Sizes, device, step: _Steps) -> dict:
 
 
 def cpu_section(sizes: Sizes, progress: Progress | None, offset: float = 0.0, share: float = 1.0) -> dict:
-    n_steps = len(sizes.dtypes) * (3 * len(sizes.tokens) + 1) + 2 + 6
+    n_steps = len(sizes.dtypes) * (3 * len(sizes.tokens) + 1) + 3 + 6
     step = _Steps(n_steps, progress, offset, share)
     sec = device_section(sizes, "cpu", step)
     step("cpu FFN block as the engine runs it")
     sec["block_factor"] = ffn_block_factors(sizes, sec["gemm"], sec["op_overhead_us"])
+    step("cpu FFN block after an idle gap")
+    sec["ffn_block_idle"] = ffn_block_after_idle(sizes)
     sec["threads"] = torch.get_num_threads()
     sec["pinned_weights"] = sizes.pinned
     sec["threads_gbps"] = thread_sweep(sizes, step)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engine.sharding.measure import Sizes, _Steps, _wait, gemv_pass, time_host
+from engine.sharding.measure import Sizes, _Steps, _wait, ffn_block_pass, gemv_pass, time_host
 
 
 def _copy_gbps(dst: torch.Tensor, src: torch.Tensor, stream, reps: int) -> float:
@@ -61,9 +61,29 @@ def link_section(sizes: Sizes, device, step: _Steps) -> dict:
     step("cpu GEMV and copies at the same time")
     gemv, gemv_bytes = gemv_pass(sizes)
     cpu_alone = gemv_bytes / time_host(gemv, sizes.min_time_s) / 1e9
-    # Enough copies to cover about ten CPU passes (and at least 0.2 s).
-    target_s = max(0.2, 10 * gemv_bytes / (cpu_alone * 1e9))
-    reps = max(2, math.ceil(target_s * h2d * 1e9 / nbytes))
+    cpu_with, copy_rates = _beside_copies(gemv, gemv_bytes, cpu_alone, dev, host, stream, h2d)
+    extra = {}
+    block = ffn_block_pass(sizes)        # (the GPU sizes with pinned weights, as the executor keeps them)
+    if block is not None:
+        # The rate the estimator needs: a CPU FFN block (what decode runs on the CPU) while copies run.
+        step("cpu FFN blocks and copies at the same time")
+        fn, block_bytes = block
+        alone = block_bytes / time_host(fn, sizes.min_time_s) / 1e9
+        extra["cpu_block_with_copy_gbps"] = round(
+            _beside_copies(fn, block_bytes, alone, dev, host, stream, h2d)[0], 3)
+    del host, dev
+    return {"h2d_gbps": round(h2d, 3), "d2h_gbps": round(d2h, 3),
+            "h2d_with_cpu_gbps": round(statistics.median(copy_rates), 3),
+            "cpu_gemv_gbps": round(cpu_alone, 3), "cpu_gemv_with_copy_gbps": round(cpu_with, 3),
+            "cpu_with_copy_factor": round(min(1.0, max(0.05, cpu_with / cpu_alone)), 4),
+            "latency_us": round(latency, 2), **extra}
+
+
+def _beside_copies(fn, nbytes: int, alone_gbps: float, dev, host, stream, h2d: float) -> tuple[float, list[float]]:
+    """(CPU GB/s of `fn` while back-to-back copies run, the copies' GB/s): copies enough to cover about ten
+    CPU passes (and at least 0.2 s), CPU work until they end, three times, medians."""
+    target_s = max(0.2, 10 * nbytes / (alone_gbps * 1e9))
+    reps = max(2, math.ceil(target_s * h2d * 1e9 / host.numel()))
     cpu_rates, copy_rates = [], []
     for _ in range(3):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -74,18 +94,12 @@ def link_section(sizes: Sizes, device, step: _Steps) -> dict:
             stop.record(stream)
         t0, done, i = time.perf_counter(), 0, 0
         while not stop.query():      # CPU work until the copies end; query() never blocks
-            gemv(i)
-            done += gemv_bytes
+            fn(i)
+            done += nbytes
             i += 1
         t_cpu = time.perf_counter() - t0
         _wait(stop)
         if done:
             cpu_rates.append(done / t_cpu / 1e9)
-        copy_rates.append(reps * nbytes / (start.elapsed_time(stop) / 1e3) / 1e9)
-    cpu_with = statistics.median(cpu_rates) if cpu_rates else cpu_alone
-    del host, dev
-    return {"h2d_gbps": round(h2d, 3), "d2h_gbps": round(d2h, 3),
-            "h2d_with_cpu_gbps": round(statistics.median(copy_rates), 3),
-            "cpu_gemv_gbps": round(cpu_alone, 3), "cpu_gemv_with_copy_gbps": round(cpu_with, 3),
-            "cpu_with_copy_factor": round(min(1.0, max(0.05, cpu_with / cpu_alone)), 4),
-            "latency_us": round(latency, 2)}
+        copy_rates.append(reps * host.numel() / (start.elapsed_time(stop) / 1e3) / 1e9)
+    return (statistics.median(cpu_rates) if cpu_rates else alone_gbps), copy_rates

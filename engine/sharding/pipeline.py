@@ -52,7 +52,7 @@ class Pipeline:
         sidx = np.zeros((smax, B), dtype=np.int64)
         r, c = np.nonzero(is_str)
         sidx[ordn[r, c], c] = r
-        self.mixed = mixed = is_str.any(0) & ((pt == CPU) & compute_mask[:, None]).any(0)
+        self.mixed = is_str.any(0) & ((pt == CPU) & compute_mask[:, None]).any(0)
         self.sidx = sidx                                                      # [smax, B] sub-layer
         self.ctab = self._ctab(copy_alone, copy_busy)
         self.cycles = n_str > self.n_slots

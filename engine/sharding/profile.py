@@ -216,7 +216,33 @@ class ProfileDatabase:
 
     @property
     def cpu_with_copy_factor(self) -> float:
-        return float(self.link["cpu_with_copy_factor"]) if self.link else 1.0
+        """How fast a CPU sub-layer runs while copies run, as a fraction of the rate it is priced at.
+
+        The CPU and the copy engine read the same DRAM. Profiles that measured a CPU FFN block beside
+        copies (`cpu_block_with_copy_gbps`, absolute) give it against the FFN rate the estimator prices
+        one-token CPU sub-layers at; older ones only have the GEMV's ratio with and without copies, which
+        misses that the priced block rate is higher than the GEMV's (on the H200 host: 113 GB/s priced,
+        68.6 GB/s GEMV beside copies, ratio 1.0; decode traces showed CPU FFNs at 48-52 GB/s there)."""
+        if not self.link:
+            return 1.0
+        block = self.link.get("cpu_block_with_copy_gbps")
+        if block:
+            try:
+                gflops = self.gemm_gflops("cpu", "bfloat16", "ffn", 1)
+            except ValueError:
+                gflops = 0.0
+            if gflops > 0:     # a one-token 16-bit matmul does 2 FLOPs per 2-byte weight: GFLOP/s = GB/s
+                return min(1.0, max(0.05, float(block) / gflops))
+        return float(self.link["cpu_with_copy_factor"])
+
+    @property
+    def cpu_wake_ms(self) -> float:
+        """Extra milliseconds of a CPU sub-layer that follows GPU work (its matmul threads asleep), from
+        the FFN block timed back to back and after an idle gap; 0 where the profile did not measure it."""
+        idle = (self.cpu or {}).get("ffn_block_idle") or {}
+        if "after_idle_ms" not in idle or "hot_ms" not in idle:
+            return 0.0
+        return max(0.0, float(idle["after_idle_ms"]) - float(idle["hot_ms"]))
 
     def describe(self) -> list[str]:
         """Human-readable summary lines (for `python -m engine profile`)."""
@@ -303,7 +329,7 @@ def measure_profile(device: str, quick: bool = True, progress: Progress | None =
         # The executor keeps weights in pinned memory beside a GPU: the CPU computes from there.
         data["cpu"] = measure.cpu_section(replace(cpu_sizes, pinned=True), progress, 0.0, 0.5)
         n_steps = len(gpu_sizes.dtypes) * (3 * len(gpu_sizes.tokens) + 1) + 1
-        step = measure._Steps(n_steps + 4, progress, 0.5, 0.5)
+        step = measure._Steps(n_steps + 5, progress, 0.5, 0.5)
         data["gpu"] = measure.device_section(gpu_sizes, device, step)
         data["gpu"]["name"] = torch.cuda.get_device_name(torch.device(device))
         data["link"] = link_section(replace(gpu_sizes, pinned=True), device, step)

@@ -123,6 +123,8 @@ def test_tiny_measure(tmp_path, monkeypatch):
     assert all(len(rows) == 3 for cls in data["cpu"]["gemm"].values() for rows in cls.values())
     assert data["cpu"]["threads_gbps"] and data["cpu"]["op_overhead_us"] > 0
     assert set(data["cpu"]["block_factor"]) == {"1", "16"}
+    idle = data["cpu"]["ffn_block_idle"]
+    assert idle["hot_ms"] > 0 and idle["after_idle_ms"] > 0 and idle["block_bytes"] == 3 * 64 * 128 * 2
     assert seen == sorted(seen) and seen[-1] == 1.0
     prof = ProfileDatabase(data)
     assert prof.gemm_ms("cpu", "bfloat16", "ffn", 1e6, 8) > 0
@@ -170,3 +172,36 @@ def test_block_factor_scales_the_cpu_tables():
     times = [prof.gemm_ms("cpu", "bfloat16", "ffn", 1e9, n) for n in range(1, 300)]
     assert all(b >= a * (1 - 1e-12) for a, b in itertools.pairwise(times))
     assert prof.gemm_ms("gpu", "bfloat16", "ffn", 1e9, 1) == base.gemm_ms("gpu", "bfloat16", "ffn", 1e9, 1)
+
+
+def test_cpu_rate_beside_copies_is_priced_against_the_block_rate():
+    """A profile with the FFN block measured beside copies prices CPU work beside copies at that absolute
+    rate over the one-token FFN rate the tables give; older profiles keep their GEMV ratio."""
+    data = sim_profile_dict()
+    old = ProfileDatabase(data)
+    assert old.cpu_with_copy_factor == data["link"]["cpu_with_copy_factor"]
+    priced = old.gemm_gflops("cpu", "bfloat16", "ffn", 1)
+    data = sim_profile_dict()
+    data["link"]["cpu_block_with_copy_gbps"] = priced / 4
+    assert ProfileDatabase(data).cpu_with_copy_factor == pytest.approx(0.25)
+    data["link"]["cpu_block_with_copy_gbps"] = priced * 3          # never above 1
+    assert ProfileDatabase(data).cpu_with_copy_factor == 1.0
+
+
+def test_cpu_wake_up_is_charged_at_every_gpu_to_cpu_crossing():
+    from engine.config import ModelConfig
+    from engine.sharding.estimator import step_costs
+    from engine.sharding.spec import ModelSpec
+
+    cfg = ModelConfig(arch="llama", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    spec = ModelSpec.from_config(cfg)
+    base = ProfileDatabase(sim_profile_dict())
+    assert base.cpu_wake_ms == 0.0
+    data = sim_profile_dict()
+    data["cpu"]["ffn_block_idle"] = {"hot_ms": 1.0, "after_idle_ms": 1.75, "idle_s": 0.002, "block_bytes": 1}
+    woken = ProfileDatabase(data)
+    assert woken.cpu_wake_ms == pytest.approx(0.75)
+    a, b = step_costs(spec, base, 1, 64), step_costs(spec, woken, 1, 64)
+    assert b.to_cpu_ms == pytest.approx(a.to_cpu_ms + 0.75)
+    assert (b.cpu_ms == a.cpu_ms).all() and (b.to_gpu_ms == a.to_gpu_ms).all()
