@@ -335,10 +335,12 @@ def _tokenizer_fields(folder: Path) -> dict:
     return fields
 
 
-def make_tiny_gguf(hf_folder: str | Path, path: str | Path, qtype: str = "F32") -> Path:
+def make_tiny_gguf(hf_folder: str | Path, path: str | Path, qtype: str = "F32",
+                   types: dict[str, str] | None = None) -> Path:
     """Write the tiny HF model at `hf_folder` as a GGUF file, the way llama.cpp's converter does
     (llama-family Q/K rows permuted, llama3 scaling as rope_freqs.weight, tied head omitted).
-    `qtype` is the type of the 2-D weights: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 (norms stay F32)."""
+    `qtype` is the type of the 2-D weights: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0 (norms stay F32);
+    `types` gives single tensors (by GGUF name, e.g. "token_embd.weight") another type."""
     import gguf
     import numpy as np
     from safetensors.torch import load_file
@@ -399,8 +401,9 @@ def make_tiny_gguf(hf_folder: str | Path, path: str | Path, qtype: str = "F32") 
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             arr = _converter_permute(arr, heads)
         router = name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight"))   # kept F32, as the converter does
-        if arr.ndim >= 2 and qtype != "F32" and not router:
-            q = gguf.GGMLQuantizationType[qtype]
+        kind = (types or {}).get(_gguf_name(name), qtype if arr.ndim >= 2 and not router else "F32")
+        if kind != "F32":
+            q = gguf.GGMLQuantizationType[kind]
             w.add_tensor(_gguf_name(name), gguf.quants.quantize(arr, q), raw_dtype=q)
         else:
             w.add_tensor(_gguf_name(name), np.ascontiguousarray(arr))

@@ -1,10 +1,14 @@
 """GGUF files: metadata -> ModelConfig, tensors -> canonical weights, tokenizer metadata -> tokenizer.
 
 Read with the `gguf` package's memory-mapped `GGUFReader`. F32/F16/BF16 tensors keep their precision;
-quantized ones (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...) are dequantized to float32. llama.cpp's
-converter permutes the rows of Q and K for the "llama" architecture (its RoPE rotates adjacent pairs,
-transformers' rotates halves); that permutation is undone here so the weights are in transformers'
-layout. A llama3-style `rope_freqs.weight` tensor is turned back into a Hugging Face rope_scaling dict.
+quantized ones (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, ...) are dequantized to float32. The compute dtype
+(`config.dtype`) is the matrices' most common type, float32 where any is quantized; every weight is then
+in that dtype or float32 (the norms, biases and MoE routers the converter keeps in F32): a 16-bit tensor
+of another type (an F16 embedding in a quantized file, BF16 next to F16) is widened to float32, which
+holds it exactly. llama.cpp's converter permutes the rows of Q and K for the "llama" architecture (its
+RoPE rotates adjacent pairs, transformers' rotates halves); that permutation is undone here so the
+weights are in transformers' layout. A llama3-style `rope_freqs.weight` tensor is turned back into a
+Hugging Face rope_scaling dict.
 
 Mixtures of experts: `qwen3moe` files, and `llama` files with `llama.expert_count` (Mixtral), become the
 qwen3_moe and mixtral architectures. Their router is `ffn_gate_inp`; the experts are stacked per layer
@@ -266,6 +270,10 @@ class GgufFile:
                 heads = cfg.num_heads if ".q." in canon else cfg.num_kv_heads
                 w = unpermute_rope_rows(w, heads)
             out[canon] = w
+        compute = getattr(torch, cfg.dtype)
+        for name, w in out.items():
+            if w.dtype not in (compute, torch.float32):
+                out[name] = w.float()
         missing = sorted(expected - out.keys())
         if missing:
             raise ModelLoadError(f"{self.path}: {len(missing)} weights missing, e.g. '{missing[0]}'")

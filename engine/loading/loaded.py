@@ -27,7 +27,8 @@ class Tokenizer(Protocol):
 class LoadedModel:
     config: ModelConfig
     # Canonical names (engine.config.weight_names), CPU tensors at the precision given: bf16/fp16/fp32
-    # as stored; GGUF quantized types dequantized to float32. A tied head has no "head.weight".
+    # as stored; GGUF quantized types dequantized to float32, and a GGUF's 16-bit tensor of another type
+    # than config.dtype widened to float32 (engine.loading.gguf_file). A tied head has no "head.weight".
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str              # the path it came from

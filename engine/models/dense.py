@@ -3,6 +3,10 @@
 `attention_block` and `ffn_block` each take the residual stream `x` [n, hidden] and return it updated;
 they run on whatever device their weights and `x` are on, so the executor can place each one freely.
 Weight dicts use the sub-layer's local names ("q.weight", "gate.weight", ...).
+
+The residual stream runs in the model's compute dtype (`ModelConfig.dtype`); a weight is either in that
+dtype or wider (float32: a GGUF file keeps its norms, biases and MoE routers in F32 next to F16/BF16
+matrices). A wider weight runs at its own precision and every block hands back the compute dtype.
 """
 
 from __future__ import annotations
@@ -16,7 +20,12 @@ from engine.models.rope import apply_rotary
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, through the native CPU kernel for the few-row matmuls of decode (see engine.kernels)."""
+    """`F.linear`, through the native CPU kernel for the few-row matmuls of decode (see engine.kernels).
+    A weight or bias of another dtype than `x` (float32 next to 16-bit activations) runs at its own
+    precision; the result has `x`'s dtype."""
+    if w.dtype != x.dtype or (b is not None and b.dtype != w.dtype):
+        y = linear(x.to(w.dtype), w)
+        return (y if b is None else y + b).to(x.dtype)
     if x.device.type == "cpu":
         y = kernels.linear(x, w, b)
         if y is not None:
@@ -27,6 +36,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype != x.dtype:           # a float32 norm over 16-bit activations: scaled in float32
+        return (weight.float() * x32).to(x.dtype)
     return weight * x32.to(x.dtype)
 
 
@@ -93,17 +104,20 @@ def ffn_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> 
     return x + linear(F.silu(gate) * up, w["down.weight"])
 
 
-def embed_tokens(w: dict[str, torch.Tensor], ids: torch.Tensor) -> torch.Tensor:
-    return F.embedding(ids, w["embed.weight"])
+def embed_tokens(w: dict[str, torch.Tensor], ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The embedding rows of `ids`, in `dtype` (the compute dtype) where given."""
+    x = F.embedding(ids, w["embed.weight"])
+    return x if dtype is None else x.to(dtype)
 
 
 def output_head(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Final norm and the vocabulary projection; logits in float32."""
+    """Final norm and the vocabulary projection; logits in float32 (at the head's precision where it is
+    stored wider than the activations)."""
     h = rms_norm(x, w["norm.weight"], cfg.rms_norm_eps)
     head = w.get("head.weight")
     if head is None:
         head = w["embed.weight"]
-    return linear(h, head).float()
+    return linear(h.to(head.dtype), head).float()
 
 
 def attention_mask(n_new: int, start: int, sliding_window: int | None, device):

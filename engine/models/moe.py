@@ -10,9 +10,10 @@ can place the router and every group independently; `MoeState.to` moves the stat
 
 Routing follows transformers exactly: softmax over all experts in float32, top k, renormalised to sum
 to 1 where `norm_topk_prob` (always for mixtral, whose top-k-then-softmax is the same function);
-qwen3_moe casts the weights to the model's dtype before use, mixtral applies them in float32. Experts
-run in ascending order and their outputs are summed into a zero tensor before the residual add, as in
-transformers, so every placement sums in the same order and gives the same result.
+qwen3_moe casts the weights to the model's dtype before use, mixtral applies them in float32. A router
+stored wider than the activations (GGUF files keep it in F32) scores the experts at its own precision.
+Experts run in ascending order and their outputs are summed into a zero tensor before the residual add,
+as in transformers, so every placement sums in the same order and gives the same result.
 """
 
 from __future__ import annotations
@@ -46,14 +47,16 @@ class MoeState:
                         self.weights.to(device), self.bounds)
 
 
-def route(cfg: ModelConfig, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(top-k weights, top-k expert ids) [n, k] of router logits [n, E], as transformers computes them."""
+def route(cfg: ModelConfig, logits: torch.Tensor,
+          dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k weights, top-k expert ids) [n, k] of router logits [n, E], as transformers computes them;
+    qwen3_moe's weights in `dtype` (the activations' dtype; default the logits')."""
     probs = torch.softmax(logits.float(), dim=-1)
     top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
     if cfg.norm_topk_prob or cfg.arch == "mixtral":
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     if cfg.arch != "mixtral":
-        top_w = top_w.to(logits.dtype)
+        top_w = top_w.to(dtype or logits.dtype)
     return top_w, top_i
 
 
@@ -61,7 +64,8 @@ def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, 
     """Norm, router and top-k of a MoE layer. `sync()`, when given, is called before the per-expert
     counts are read back to the host (a non-spinning wait for the GPU)."""
     h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
-    top_w, top_i = route(cfg, linear(h, w["router.weight"]))
+    router = w["router.weight"]
+    top_w, top_i = route(cfg, linear(h.to(router.dtype), router), h.dtype)
     flat = top_i.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=cfg.num_experts)

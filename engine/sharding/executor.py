@@ -377,7 +377,7 @@ class Executor:
             w = self._weights(name)
             dev = x.device
             if name == "embed":
-                x = dense.embed_tokens(w, x)
+                x = dense.embed_tokens(w, x, self.dtype)
                 for at, (mask, rows) in image_rows:
                     part = x[at:at + mask.shape[0]]
                     part[mask.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)

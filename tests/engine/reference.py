@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 
-def transformers_logits(path, ids: list[int]) -> torch.Tensor:
-    """Teacher-forced float32 logits [len(ids), vocab] of the Hugging Face folder at `path`."""
+def transformers_logits(path, ids: list[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Teacher-forced logits [len(ids), vocab] (as float32) of the Hugging Face folder at `path`, run by
+    transformers in `dtype`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].float()
 
