@@ -173,3 +173,33 @@ def test_linear_many_declines_what_it_cannot_run():
     assert kernels.linear_many([torch.randn(1, 4).bfloat16()], [w], min_weights=0) is None   # two dtypes
     assert kernels.linear_many([torch.randn(1, 4)], [w]) is None                         # below MIN_WEIGHTS
     assert kernels.linear_many([], []) is None
+
+
+@needs_kernel
+def test_pool_under_oversubscription_gives_exact_results():
+    """Many back-to-back jobs of mixed sizes (pool jobs, inline ones, batches) on more kernel threads than
+    cores: workers wake late and miss jobs, chunks are claimed by whoever is awake; every result equals
+    the one-thread result bit for bit (each output row is computed by one thread, the same way)."""
+    g = torch.Generator().manual_seed(11)
+    cases = []
+    for i in range(60):
+        n = [4099, 37, 515, 1024, 8][i % 5]
+        k = [256, 64, 96, 128, 32][(i // 5) % 5]
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        x = torch.randn(1 + i % 5, k, generator=g).to(torch.bfloat16)
+        cases.append((x, w))
+    many = [([torch.randn(1 + j % 3, 96, generator=g).to(torch.bfloat16) for j in range(7)],
+             [torch.randn(301, 96, generator=g).to(torch.bfloat16) for _ in range(7)]) for _ in range(5)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        want = [kernels.linear(x, w, min_weights=0) for x, w in cases]
+        want_many = [kernels.linear_many(xs, ws, min_weights=0) for xs, ws in many]
+        torch.set_num_threads(6)
+        for _ in range(3):
+            got = [kernels.linear(x, w, min_weights=0) for x, w in cases]
+            got_many = [kernels.linear_many(xs, ws, min_weights=0) for xs, ws in many]
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            assert all(torch.equal(a, b) for a, b in zip(got_many, want_many))
+    finally:
+        torch.set_num_threads(before)
