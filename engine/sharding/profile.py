@@ -266,14 +266,21 @@ class ProfileDatabase:
             if sec.get("block_factor"):
                 lines.append("    engine FFN block vs tables (applied): "
                              + ", ".join(f"x{n} tokens {f:.2f}" for n, f in sec["block_factor"].items()))
+            idle = sec.get("ffn_block_idle")
+            if idle:
+                lines.append(f"    one-token FFN block {idle['hot_ms']:.2f} ms back to back, "
+                             f"{idle['after_idle_ms']:.2f} ms after {idle['idle_s'] * 1e3:.0f} ms idle "
+                             f"(charged at GPU->CPU crossings: {self.cpu_wake_ms:.2f} ms)")
             if "threads_gbps" in sec:
                 lines.append("    bf16 GEMV GB/s by threads: "
                              + ", ".join(f"{t}: {g:.1f}" for t, g in sec["threads_gbps"].items()))
         if self.link:
             lk = self.link
+            block = (f" (FFN block {lk['cpu_block_with_copy_gbps']:.1f} GB/s beside copies)"
+                     if lk.get("cpu_block_with_copy_gbps") else "")
             lines.append(f"  PCIe: host->GPU {lk['h2d_gbps']:.1f} GB/s alone, {lk['h2d_with_cpu_gbps']:.1f} "
-                         f"beside CPU work; CPU keeps {lk['cpu_with_copy_factor']:.0%} of its rate while "
-                         f"copies run; activation move {lk['latency_us']:.0f} us")
+                         f"beside CPU work; CPU sub-layers priced at {self.cpu_with_copy_factor:.0%} of their "
+                         f"rate while copies run{block}; activation move {lk['latency_us']:.0f} us")
         return lines
 
 
