@@ -127,7 +127,7 @@ def _load():
                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.sl_linear_batch.restype = ctypes.c_int
         lib.sl_weighted_sum.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                        ctypes.c_int64, ctypes.c_int64]
+                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.sl_weighted_sum.restype = ctypes.c_int
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
@@ -320,12 +320,13 @@ def linear_stacked(x: torch.Tensor, stacks: list[torch.Tensor], picks: list[tupl
     return y if rc == 0 else None
 
 
-def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor) -> bool:
+def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero: bool = False) -> bool:
     """`out.addcmul_(y[i], wt[i])` for each row i of y in turn, in one native call: out [..., N] holds one
     row, y [m, N], wt [m], all contiguous bf16 (or all fp16) on the CPU; every step rounds to the dtype
-    as PyTorch's addcmul_ does, so the sums are the same to the bit. False (out untouched) where it does
-    not apply: other dtypes (a float32 product is not exact, so PyTorch's rounding could differ), shapes,
-    no kernel."""
+    as PyTorch's addcmul_ does, so the sums are the same to the bit. `from_zero`: out's contents are
+    ignored, the sum starts at zero (as from `torch.zeros`). False (out untouched) where it does not
+    apply: other dtypes (a float32 product is not exact, so PyTorch's rounding could differ), shapes, no
+    kernel."""
     if not _enabled or _building.is_set():
         return False
     dtype = out.dtype
@@ -338,5 +339,6 @@ def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor) -> bool:
     lib = _load()
     if lib is None:
         return False
-    return lib.sl_weighted_sum(_DTYPES[dtype], out.data_ptr(), y.data_ptr(), wt.data_ptr(), y.shape[0],
-                               y.shape[1]) == 0
+    o = out.data_ptr()
+    return lib.sl_weighted_sum(_DTYPES[dtype], o, None if from_zero else o, y.data_ptr(), wt.data_ptr(),
+                               y.shape[0], y.shape[1]) == 0

@@ -392,20 +392,21 @@ int sl_linear_batch(int dtype, int n_jobs, const void *const *x, const void *con
     return run_jobs(jobs, n_jobs);
 }
 
-/* out[j] += y[i][j] * wt[i] for i = 0 .. m-1 in turn (j < N): each step in float32, rounded to the dtype
- * (bf16 or fp16) before the next, as m calls of PyTorch's out.addcmul_(y[i], wt[i]) do; a MoE layer adds
- * its experts' weighted outputs to their sum this way, in ascending expert order. The product of two 16-bit
- * values is exact in float32, so a fused and a separate multiply-add give the same sums. */
+/* out[j] = start[j] + y[i][j] * wt[i] for i = 0 .. m-1 in turn (j < N; start NULL: zero; start may be out):
+ * each step in float32, rounded to the dtype (bf16 or fp16) before the next, as m calls of PyTorch's
+ * out.addcmul_(y[i], wt[i]) do; a MoE layer adds its experts' weighted outputs to their sum this way, in
+ * ascending expert order. The product of two 16-bit values is exact in float32, so a fused and a separate
+ * multiply-add give the same sums. */
 static inline float round_to(int dtype, float v) {
     return dtype == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : f16_to_f32(f32_to_f16(v));
 }
 
-int sl_weighted_sum(int dtype, void *out, const void *y, const void *wt, int64_t m, int64_t N) {
+int sl_weighted_sum(int dtype, void *out, const void *start, const void *y, const void *wt, int64_t m, int64_t N) {
     if ((dtype != DT_BF16 && dtype != DT_F16) || m < 0 || N < 0) return -1;
     int64_t j = 0;
 #if defined(__AVX512F__) && defined(__F16C__)
     for (; j + 16 <= N; j += 16) {
-        __m512 acc = load16(dtype, out, j, 0xffff);
+        __m512 acc = start ? load16(dtype, start, j, 0xffff) : _mm512_setzero_ps();
         for (int64_t i = 0; i < m; i++) {
             __m512 p = _mm512_mul_ps(load16(dtype, (const uint16_t *)y + i * N, j, 0xffff),
                                      _mm512_set1_ps(load_elem(dtype, wt, i)));
@@ -431,7 +432,7 @@ int sl_weighted_sum(int dtype, void *out, const void *y, const void *wt, int64_t
     }
 #endif
     for (; j < N; j++) {
-        float acc = load_elem(dtype, out, j);
+        float acc = start ? load_elem(dtype, start, j) : 0.0f;
         for (int64_t i = 0; i < m; i++) {
             float p = load_elem(dtype, y, i * N + j) * load_elem(dtype, wt, i);
             acc = round_to(dtype, acc + p);

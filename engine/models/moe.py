@@ -217,7 +217,11 @@ def _experts_decode(parts, s: MoeState) -> bool | None:
         return None
     a = b[parts[0][1].start]               # one token: its pairs with these experts are a .. a + len(picks)
     weights = s.weights[a:a + len(picks)]
-    if not kernels.weighted_sum(_sum(s), y, weights):     # (float32 weights: one addcmul_ each, as before)
+    fresh = s.out is None
+    out = torch.empty_like(s.h) if fresh else s.out
+    if kernels.weighted_sum(out, y, weights, from_zero=fresh):
+        s.out = out
+    else:                                  # (float32 weights: one addcmul_ each, as before)
         for i in range(len(picks)):
             _add_expert(s, a + i, a + i + 1, y[i:i + 1], True)
     return True

@@ -1,21 +1,23 @@
 """The MoE decode path's host-side shortcuts give the same bits as the paths they replace.
 
-- `kernels.weighted_sum` equals one `addcmul_` per expert, in order (bf16 and fp16, a zero or non-zero
-  start, lengths that are and are not a multiple of the vector width);
+- `kernels.weighted_sum` equals one `addcmul_` per expert, in order (bf16 and fp16, a zero, non-zero or
+  `from_zero` start, lengths that are and are not a multiple of the vector width);
 - `kernels.linear_stacked` (experts picked from strided stacks by index) equals `kernels.linear_many` over
   the same experts' matrices;
 - a decode step through `_experts_decode` gives the logits of the `linear_many` path (the one before it)
-  to the bit on the CPU, qwen3_moe and mixtral (float32 routing weights, summed by PyTorch);
+  to the bit on the CPU: qwen3_moe in float32 (summed by PyTorch) and bf16 (summed natively), mixtral in
+  bf16 (float32 routing weights: summed by PyTorch);
 - the packed state transfer (`moe._moved`) gives back each tensor's dtype, shape and values, and a state
   moved that way finishes to the same residual stream.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-import engine
 from engine import kernels
 from engine.config import ModelConfig
 from engine.models import moe
@@ -38,6 +40,10 @@ def test_weighted_sum_matches_addcmul_steps(dtype, n):
         got = out0.clone()
         assert kernels.weighted_sum(got, y, wt)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (m, scale, zero)
+        if zero:                                   # a sum started from zero, whatever out held
+            got = torch.full_like(out0, 7.0)
+            assert kernels.weighted_sum(got, y, wt, from_zero=True)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (m, scale)
 
 
 @needs_kernel
@@ -73,25 +79,41 @@ def test_linear_stacked_matches_linear_many(dtype):
 
 
 @needs_kernel
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_decode_path_matches_linear_many_path(tiny_model, arch, monkeypatch):
+@pytest.mark.parametrize("arch,dtype", [("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16"), ("mixtral", "bfloat16")])
+def test_decode_path_matches_linear_many_path(tiny_model, arch, dtype, monkeypatch):
     monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)       # tiny matrices through the kernel
     calls = []
     real = kernels.linear_stacked
     monkeypatch.setattr(kernels, "linear_stacked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    summed = []
+    real_sum = kernels.weighted_sum
+    monkeypatch.setattr(kernels, "weighted_sum", lambda *a, **kw: summed.append(real_sum(*a, **kw)) or summed[-1])
     path = tiny_model(arch)
 
     def run():
-        eng = engine.open_model(path, device="cpu", backend="torch")
+        from engine.backends.torch_engine import TorchEngine
+        from engine.loading import load_model
+
+        loaded = load_model(path)              # (the tiny models are float32; bf16 sums in the native call)
+        loaded.config = dataclasses.replace(loaded.config, dtype=dtype)
+        loaded.weights = {k: v.to(getattr(torch, dtype)) for k, v in loaded.weights.items()}
+        eng = TorchEngine(loaded, device="cpu", speculative=False)
         steps = []
         fb = eng.executor.forward_batch
-        eng.executor.forward_batch = lambda items: steps.append(torch.cat(fb(items))) or [steps[-1]]
+
+        def forward_batch(items):
+            out = fb(items)
+            steps.append(torch.cat(out).clone())      # (the sampler may change the logits it is given)
+            return out
+
+        eng.executor.forward_batch = forward_batch
         tokens = [e.token_id for e in eng.generate("a b c d e", max_new_tokens=10) if e.token_id is not None]
         eng.close()
         return tokens, steps
 
     tokens, steps = run()
     assert calls
+    assert any(summed) == (arch == "qwen3_moe" and dtype == "bfloat16")   # (mixtral: float32 routing weights)
     monkeypatch.setattr(moe, "_experts_decode", lambda parts, s: None)
     calls.clear()
     tokens_before, steps_before = run()
