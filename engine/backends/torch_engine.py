@@ -246,6 +246,8 @@ class TorchEngine(Engine):
         del self.replans[:-100]
 
     def _apply_pending_budget(self) -> bool:
+        if self._pending_budget is None:      # (called between every two sub-layers: no lock while idle)
+            return False
         with self._budget_lock:
             budget, self._pending_budget = self._pending_budget, None
         if budget is None:

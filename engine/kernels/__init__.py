@@ -126,6 +126,9 @@ def _load():
         lib.sl_linear_batch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.sl_linear_batch.restype = ctypes.c_int
+        lib.sl_weighted_sum.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        lib.sl_weighted_sum.restype = ctypes.c_int
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
@@ -262,3 +265,80 @@ def linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor],
     finally:
         _busy.release()
     return y if rc == 0 else None
+
+
+def linear_stacked(x: torch.Tensor, stacks: list[torch.Tensor], picks: list[tuple[int, int]],
+                   min_weights: int | None = None) -> torch.Tensor | None:
+    """`y[i] = x[i] @ stacks[s][j].T` for each pick i = (s, j), as one job on the native pool: the one-row
+    matmuls of the experts a decode step routes to, read from stacked expert weights [E, N, K] (each
+    expert's matrix contiguous; the stack itself may be strided) without a tensor per expert. x: [1, K]
+    (every pick reads that row) or [len(picks), K], contiguous. Returns [len(picks), N], or None where the
+    kernel does not apply (nothing is computed then). `min_weights` as in `linear_many`."""
+    m = len(picks)
+    if not m or m > MAX_BATCH or not stacks or not _enabled or _building.is_set():
+        return None
+    s0 = stacks[0]
+    if s0.dim() != 3 or s0.dtype not in _DTYPES:
+        return None
+    _, n, k = s0.shape
+    dtype = s0.dtype
+    if n * k * m < (MIN_WEIGHTS if min_weights is None else min_weights):
+        return None
+    if (x.dtype != dtype or not x.is_cpu or x.dim() != 2 or x.shape[1] != k or x.shape[0] not in (1, m)
+            or not x.is_contiguous() or x.requires_grad):
+        return None
+    bases, steps = [], []
+    for st in stacks:
+        if st is not s0 and (st.dtype != dtype or st.shape[1:] != s0.shape[1:] or st.stride()[1:] != s0.stride()[1:]):
+            return None
+        if not st.is_cpu or st.requires_grad:
+            return None
+        bases.append(st.data_ptr())
+        steps.append(st.stride(0) * st.element_size())
+    if s0.stride(2) != 1 or s0.stride(1) != k:
+        return None
+    sizes = [st.shape[0] for st in stacks]
+    if any(not 0 <= j < sizes[g] for g, j in picks):
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    _sync_threads(lib)
+    y = torch.empty(m, n, dtype=dtype)
+    es = y.element_size()
+    xp, yp = x.data_ptr(), y.data_ptr()
+    arr = ctypes.c_void_p * m
+    xs = arr(*([xp] * m if x.shape[0] == 1 else range(xp, xp + m * k * es, k * es)))
+    ws = arr(*[bases[g] + j * steps[g] for g, j in picks])
+    ys = arr(*range(yp, yp + m * n * es, n * es))
+    if not _busy.acquire(blocking=False):
+        return None
+    try:
+        rc = lib.sl_linear_batch(_DTYPES[dtype], m, xs, ws, ys, (ctypes.c_int64 * m)(*([1] * m)), n, k)
+    finally:
+        _busy.release()
+    return y if rc == 0 else None
+
+
+def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero: bool = False) -> bool:
+    """`out.addcmul_(y[i], wt[i])` for each row i of y in turn, in one native call: out [..., N] holds one
+    row, y [m, N], wt [m], all contiguous bf16 (or all fp16) on the CPU; every step rounds to the dtype
+    as PyTorch's addcmul_ does, so the sums are the same to the bit. `from_zero`: out's contents are
+    ignored, the sum starts at zero (as from `torch.zeros`). False (out untouched) where it does not
+    apply: other dtypes (a float32 product is not exact, so PyTorch's rounding could differ), shapes, no
+    kernel."""
+    if not _enabled or _building.is_set():
+        return False
+    dtype = out.dtype
+    if dtype not in (torch.bfloat16, torch.float16) or y.dtype != dtype or wt.dtype != dtype:
+        return False
+    if (y.dim() != 2 or out.numel() != y.shape[1] or wt.numel() != y.shape[0] or not out.is_cpu or not y.is_cpu
+            or not wt.is_cpu or not out.is_contiguous() or not y.is_contiguous() or not wt.is_contiguous()
+            or out.requires_grad):
+        return False
+    lib = _load()
+    if lib is None:
+        return False
+    o = out.data_ptr()
+    return lib.sl_weighted_sum(_DTYPES[dtype], o, None if from_zero else o, y.data_ptr(), wt.data_ptr(),
+                               y.shape[0], y.shape[1]) == 0

@@ -392,6 +392,56 @@ int sl_linear_batch(int dtype, int n_jobs, const void *const *x, const void *con
     return run_jobs(jobs, n_jobs);
 }
 
+/* out[j] = start[j] + y[i][j] * wt[i] for i = 0 .. m-1 in turn (j < N; start NULL: zero; start may be out):
+ * each step in float32, rounded to the dtype (bf16 or fp16) before the next, as m calls of PyTorch's
+ * out.addcmul_(y[i], wt[i]) do; a MoE layer adds its experts' weighted outputs to their sum this way, in
+ * ascending expert order. The product of two 16-bit values is exact in float32, so a fused and a separate
+ * multiply-add give the same sums. */
+static inline float round_to(int dtype, float v) {
+    return dtype == DT_BF16 ? bf16_to_f32(f32_to_bf16(v)) : f16_to_f32(f32_to_f16(v));
+}
+
+int sl_weighted_sum(int dtype, void *out, const void *start, const void *y, const void *wt, int64_t m, int64_t N) {
+    if ((dtype != DT_BF16 && dtype != DT_F16) || m < 0 || N < 0) return -1;
+    int64_t j = 0;
+#if defined(__AVX512F__) && defined(__F16C__)
+    for (; j + 16 <= N; j += 16) {
+        __m512 acc = start ? load16(dtype, start, j, 0xffff) : _mm512_setzero_ps();
+        for (int64_t i = 0; i < m; i++) {
+            __m512 p = _mm512_mul_ps(load16(dtype, (const uint16_t *)y + i * N, j, 0xffff),
+                                     _mm512_set1_ps(load_elem(dtype, wt, i)));
+            acc = _mm512_add_ps(acc, p);
+            if (dtype == DT_BF16) {        /* round to nearest even at bit 16; NaN quieted as f32_to_bf16 does */
+                __m512i u = _mm512_castps_si512(acc);
+                __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                        _mm512_set1_epi32(0x7f800000));
+                __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                    _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+                r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+                acc = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+            } else {
+                acc = _mm512_cvtph_ps(_mm512_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            }
+        }
+        if (dtype == DT_BF16)
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + j),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(acc), 16)));
+        else
+            _mm256_storeu_si256((__m256i *)((uint16_t *)out + j),
+                                _mm512_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    for (; j < N; j++) {
+        float acc = start ? load_elem(dtype, start, j) : 0.0f;
+        for (int64_t i = 0; i < m; i++) {
+            float p = load_elem(dtype, y, i * N + j) * load_elem(dtype, wt, i);
+            acc = round_to(dtype, acc + p);
+        }
+        store_elem(dtype, out, j, acc);
+    }
+    return 0;
+}
+
 /* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C. */
 int sl_isa(void) {
 #if defined(__AVX512BF16__)

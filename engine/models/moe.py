@@ -19,6 +19,8 @@ as in transformers, so every placement sums in the same order and gives the same
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import compress
+from operator import ne
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +35,7 @@ class MoeState:
     """A MoE layer between its router and its last expert group."""
     x: torch.Tensor          # residual stream [n, hidden]
     h: torch.Tensor          # normalised input of the experts [n, hidden]
-    out: torch.Tensor        # sum of the expert outputs so far [n, hidden]
+    out: torch.Tensor | None  # sum of the expert outputs so far [n, hidden]; None: zero (no expert added yet)
     rows: torch.Tensor       # token row of each (token, expert) pair, sorted by expert [n * k]
     weights: torch.Tensor    # routing weight of each pair, in the same order [n * k]
     bounds: list[int]        # pairs of expert e are rows[bounds[e]:bounds[e + 1]] (host list)
@@ -43,8 +45,38 @@ class MoeState:
         return self.x.device
 
     def to(self, device) -> MoeState:
-        return MoeState(self.x.to(device), self.h.to(device), self.out.to(device), self.rows.to(device),
-                        self.weights.to(device), self.bounds)
+        """The state on `device`, its tensors moved in one packed copy (a sum still zero is not moved: it is
+        made where the first expert adds to it)."""
+        device = torch.device(device)
+        if self.x.device == device or (device.index is None and self.x.device.type == device.type):
+            return self
+        parts = [self.x, self.h, self.rows, self.weights] + ([] if self.out is None else [self.out])
+        moved = _moved(parts, device)
+        return MoeState(moved[0], moved[1], moved[4] if self.out is not None else None, moved[2], moved[3],
+                        self.bounds)
+
+
+def _moved(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """`[t.to(device) for t in tensors]` in one copy: their bytes packed back to back, the widest elements
+    first so that every view of the buffer stays aligned (each part's size is a multiple of its own
+    element size)."""
+    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+    flat = [tensors[i].reshape(-1).view(torch.uint8) for i in order]
+    buf = torch.cat(flat).to(device)
+    out: list[torch.Tensor] = [None] * len(tensors)   # type: ignore[list-item]
+    at = 0
+    for i, f in zip(order, flat):
+        t, nb = tensors[i], f.numel()
+        out[i] = buf[at:at + nb].view(t.dtype).view(t.shape)
+        at += nb
+    return out
+
+
+def _sum(s: MoeState) -> torch.Tensor:
+    """`s.out`, made (zeros) where it is first needed."""
+    if s.out is None:
+        s.out = torch.zeros_like(s.h)
+    return s.out
 
 
 def route(cfg: ModelConfig, logits: torch.Tensor,
@@ -60,20 +92,24 @@ def route(cfg: ModelConfig, logits: torch.Tensor,
     return top_w, top_i
 
 
-def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, sync=None) -> MoeState:
+def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, sync=None,
+                 host: bool = False) -> MoeState:
     """Norm, router and top-k of a MoE layer. `sync()`, when given, is called before the per-expert
-    counts are read back to the host (a non-spinning wait for the GPU)."""
+    counts are read back to the host (a non-spinning wait for the GPU). `host`: return the state on the
+    CPU (the next expert group runs there), the counts read back in the same copy as the state."""
     h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
     router = w["router.weight"]
     top_w, top_i = route(cfg, linear(h.to(router.dtype), router), h.dtype)
     flat = top_i.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=cfg.num_experts)
+    ends = torch.cumsum(torch.bincount(flat, minlength=cfg.num_experts), 0)
+    k = cfg.num_experts_per_tok
+    rows, weights = order // k, top_w.reshape(-1)[order]
     if sync is not None:
         sync()
-    bounds = [0, *torch.cumsum(counts, 0).tolist()]
-    k = cfg.num_experts_per_tok
-    return MoeState(x, h, torch.zeros_like(h), order // k, top_w.reshape(-1)[order], bounds)
+    if host and x.device.type != "cpu":
+        x, h, rows, weights, ends = _moved([x, h, rows, weights, ends], "cpu")
+    return MoeState(x, h, None, rows, weights, [0, *ends.tolist()])
 
 
 def experts_block(cfg: ModelConfig, w: dict[str, torch.Tensor], s: MoeState, experts: range) -> MoeState:
@@ -114,14 +150,19 @@ def experts_blocks(cfg: ModelConfig, parts: list[tuple[dict[str, torch.Tensor], 
 
 def _add_expert(s: MoeState, a: int, b: int, y: torch.Tensor, single: bool) -> None:
     if single:
-        s.out.addcmul_(y, s.weights[a:b, None])
+        _sum(s).addcmul_(y, s.weights[a:b, None])
     else:
-        s.out.index_add_(0, s.rows[a:b], (y * s.weights[a:b, None]).to(s.out.dtype))
+        out = _sum(s)
+        out.index_add_(0, s.rows[a:b], (y * s.weights[a:b, None]).to(out.dtype))
 
 
 def _experts_native(cfg: ModelConfig, parts, s: MoeState) -> bool:
     """The routed experts of `parts` through `kernels.linear_many`; False (nothing done) where it does
     not apply."""
+    if s.h.shape[0] == 1:
+        done = _experts_decode(parts, s)
+        if done is not None:
+            return done
     routed = [(w, j, s.bounds[e], s.bounds[e + 1]) for w, experts in parts for j, e in enumerate(experts)
               if s.bounds[e + 1] > s.bounds[e]]
     if not routed or any(b - a > kernels.MAX_ROWS for _, _, a, b in routed):
@@ -150,6 +191,46 @@ def _experts_native(cfg: ModelConfig, parts, s: MoeState) -> bool:
     return True
 
 
+def _experts_decode(parts, s: MoeState) -> bool | None:
+    """`_experts_native` for one token (decode): the routed experts' matrices picked from the groups'
+    stacks by index (`kernels.linear_stacked`, no tensor per expert), their weighted outputs added to the
+    sum in one native call (`kernels.weighted_sum`, the same rounding steps as one `addcmul_` per expert).
+    True: done; None: the kernel does not apply here (nothing done)."""
+    b = s.bounds
+    picks: list[tuple[int, int]] = []
+    for g, (_, experts) in enumerate(parts):
+        e0, e1 = experts.start, experts.stop
+        picks += [(g, e - e0) for e in compress(experts, map(ne, b[e0 + 1:e1 + 1], b[e0:e1]))]
+    if not picks:
+        return True
+    ws = [w for w, _ in parts]
+    if "experts.gate_up.weight" in ws[0]:
+        gu = kernels.linear_stacked(s.h, [w["experts.gate_up.weight"] for w in ws], picks)
+        if gu is None:
+            return None
+        gate, up = gu.chunk(2, dim=-1)
+    else:
+        n = len(parts)
+        gu = kernels.linear_stacked(s.h, [w[f"experts.{p}.weight"] for p in ("gate", "up") for w in ws],
+                                    picks + [(g + n, j) for g, j in picks])
+        if gu is None:
+            return None
+        gate, up = gu.chunk(2, dim=0)
+    y = kernels.linear_stacked(F.silu(gate) * up, [w["experts.down.weight"] for w in ws], picks)
+    if y is None:
+        return None
+    a = b[parts[0][1].start]               # one token: its pairs with these experts are a .. a + len(picks)
+    weights = s.weights[a:a + len(picks)]
+    fresh = s.out is None
+    out = torch.empty_like(s.h) if fresh else s.out
+    if kernels.weighted_sum(out, y, weights, from_zero=fresh):
+        s.out = out
+    else:                                  # (float32 weights: one addcmul_ each, as before)
+        for i in range(len(picks)):
+            _add_expert(s, a + i, a + i + 1, y[i:i + 1], True)
+    return True
+
+
 def finish(s: MoeState) -> torch.Tensor:
     """The residual stream after the MoE layer."""
-    return s.x + s.out
+    return s.x + _sum(s)

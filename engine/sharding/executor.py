@@ -112,12 +112,18 @@ class Executor:
         self.label_sublayers = False                # name each sub-layer in profiler traces
         # MoE sub-layers: router name -> None; expert group name -> (its experts, last group of its layer)
         self.moe_steps: dict[str, tuple[range, bool] | None] = {}
+        self._moe_layer: dict[str, int] = {}         # MoE sub-layer -> its layer
+        self._later_groups: dict[str, list[str]] = {}   # expert group -> the groups after it in its layer
         for i in range(cfg.num_layers):
             if cfg.is_moe_layer(i):
                 self.moe_steps[f"layers.{i}.ffn"] = None
+                self._moe_layer[f"layers.{i}.ffn"] = i
                 groups_i = cfg.expert_groups()
+                names = [f"layers.{i}.experts.{g}" for g in range(len(groups_i))]
                 for g, experts in enumerate(groups_i):
-                    self.moe_steps[f"layers.{i}.experts.{g}"] = (experts, g == len(groups_i) - 1)
+                    self.moe_steps[names[g]] = (experts, g == len(groups_i) - 1)
+                    self._moe_layer[names[g]] = i
+                    self._later_groups[names[g]] = names[g + 1:]
         # Routed expert streaming (see the module docstring): None = in the steps `routed_streaming`
         # picks, True = in every step (tests), False = never (streamed groups are copied whole).
         self.routed_experts: bool | None = None
@@ -412,9 +418,13 @@ class Executor:
         return out
 
     def _moe_step(self, name: str, step: tuple[range, bool] | None, w, x):
-        layer = int(name.split(".")[1])
+        layer = self._moe_layer[name]
         if step is None:   # the router: its per-expert counts go to the host (a non-spinning wait on CUDA)
-            s = moe.router_block(self.cfg, w, x, self._wait_gpu if x.device.type == "cuda" else None)
+            if x.device.type == "cuda":   # (the state comes back with them where the first group runs on the CPU)
+                host = self.plan.placement[f"layers.{layer}.experts.0"] is Placement.CPU
+                s = moe.router_block(self.cfg, w, x, self._wait_gpu, host=host)
+            else:
+                s = moe.router_block(self.cfg, w, x)
             self._routing[layer] = s.bounds
             if self._routed_now and self.slot_content:
                 self._routed_ready(layer)
@@ -429,20 +439,18 @@ class Executor:
     def _cpu_groups(self, name: str, w, s, fused: set[str]):
         """Expert group `name` on the CPU together with the groups of its layer that follow it there (one
         native pool job per projection for all their routed experts); adds those to `fused`."""
-        at = self.order.index(name)
-        parts = [(w, self.moe_steps[name][0])]
-        last = self.moe_steps[name][1]
-        while not last and at + 1 < len(self.order):
-            at += 1
-            nxt = self.order[at]
-            if self.plan.placement[nxt] is not Placement.CPU:
+        experts, last = self.moe_steps[name]
+        parts = [(w, experts)]
+        placement = self.plan.placement
+        for nxt in self._later_groups[name]:
+            if placement[nxt] is not Placement.CPU:
                 break
-            parts.append((self._weights(nxt), self.moe_steps[nxt][0]))
-            last = self.moe_steps[nxt][1]
+            experts, last = self.moe_steps[nxt]
+            parts.append((self.store.sublayers[nxt].host_views, experts))
             fused.add(nxt)
         s = moe.experts_blocks(self.cfg, parts, s)
         if last:
-            self._routing.pop(int(name.split(".")[1]), None)
+            self._routing.pop(self._moe_layer[name], None)
             return moe.finish(s)
         return s
 

@@ -1,0 +1,160 @@
+"""The MoE decode path's host-side shortcuts give the same bits as the paths they replace.
+
+- `kernels.weighted_sum` equals one `addcmul_` per expert, in order (bf16 and fp16, a zero, non-zero or
+  `from_zero` start, lengths that are and are not a multiple of the vector width);
+- `kernels.linear_stacked` (experts picked from strided stacks by index) equals `kernels.linear_many` over
+  the same experts' matrices;
+- a decode step through `_experts_decode` gives the logits of the `linear_many` path (the one before it)
+  to the bit on the CPU: qwen3_moe in float32 (summed by PyTorch) and bf16 (summed natively), mixtral in
+  bf16 (float32 routing weights: summed by PyTorch);
+- the packed state transfer (`moe._moved`) gives back each tensor's dtype, shape and values, and a state
+  moved that way finishes to the same residual stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.config import ModelConfig
+from engine.models import moe
+
+needs_kernel = pytest.mark.skipif(kernels._load() is None, reason=f"no native kernel: {kernels.status()}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n", [2048, 2047, 16, 5])
+def test_weighted_sum_matches_addcmul_steps(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    for m, scale, zero in [(1, 1.0, True), (8, 1.0, True), (8, 30.0, False), (3, 1e-3, False), (9, 1.0, False)]:
+        out0 = torch.zeros(1, n, dtype=dtype) if zero else (torch.randn(1, n, generator=g) * scale).to(dtype)
+        y = (torch.randn(m, n, generator=g) * scale).to(dtype)
+        wt = torch.rand(m, generator=g).to(dtype)
+        want = out0.clone()
+        for i in range(m):
+            want.addcmul_(y[i:i + 1], wt[i:i + 1, None])
+        got = out0.clone()
+        assert kernels.weighted_sum(got, y, wt)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (m, scale, zero)
+        if zero:                                   # a sum started from zero, whatever out held
+            got = torch.full_like(out0, 7.0)
+            assert kernels.weighted_sum(got, y, wt, from_zero=True)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (m, scale)
+
+
+@needs_kernel
+def test_weighted_sum_declines_float32():
+    out = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert not kernels.weighted_sum(out, torch.ones(2, 8, dtype=torch.bfloat16), torch.ones(2))
+    assert not kernels.weighted_sum(out.float(), torch.ones(2, 8), torch.ones(2))
+    assert torch.equal(out, torch.zeros(1, 8, dtype=torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_stacked_matches_linear_many(dtype):
+    """Stacks as the weight store cuts them: each expert's block holds gate_up then down, so a stacked
+    view steps over the other matrix (not contiguous as a whole)."""
+    g = torch.Generator().manual_seed(1)
+    e, n, k = 6, 40, 24
+    blocks = [torch.randn(e, n * k + k * n, generator=g).to(dtype) for _ in range(2)]
+    gu = [b[:, :n * k].view(e, n, k) for b in blocks]
+    down = [b[:, n * k:].view(e, k, n) for b in blocks]
+    assert not gu[0].is_contiguous()
+    picks = [(0, 1), (0, 4), (1, 0), (1, 5)]
+    h = torch.randn(1, k, generator=g).to(dtype)
+    got = kernels.linear_stacked(h, gu, picks, min_weights=0)
+    want = kernels.linear_many([h] * len(picks), [gu[s][j] for s, j in picks], min_weights=0)
+    assert got is not None and torch.equal(got, want)
+    act = torch.randn(len(picks), n, generator=g).to(dtype)
+    got = kernels.linear_stacked(act, down, picks, min_weights=0)
+    want = kernels.linear_many(list(act.split(1)), [down[s][j] for s, j in picks], min_weights=0)
+    assert got is not None and torch.equal(got, want)
+    assert kernels.linear_stacked(h, gu, [(0, e)], min_weights=0) is None           # no such expert
+    assert kernels.linear_stacked(h, gu, picks) is None                              # below the size threshold
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch,dtype", [("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16"), ("mixtral", "bfloat16")])
+def test_decode_path_matches_linear_many_path(tiny_model, arch, dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)       # tiny matrices through the kernel
+    calls = []
+    real = kernels.linear_stacked
+    monkeypatch.setattr(kernels, "linear_stacked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    summed = []
+    real_sum = kernels.weighted_sum
+    monkeypatch.setattr(kernels, "weighted_sum", lambda *a, **kw: summed.append(real_sum(*a, **kw)) or summed[-1])
+    path = tiny_model(arch)
+
+    def run():
+        from engine.backends.torch_engine import TorchEngine
+        from engine.loading import load_model
+
+        loaded = load_model(path)              # (the tiny models are float32; bf16 sums in the native call)
+        loaded.config = dataclasses.replace(loaded.config, dtype=dtype)
+        loaded.weights = {k: v.to(getattr(torch, dtype)) for k, v in loaded.weights.items()}
+        eng = TorchEngine(loaded, device="cpu", speculative=False)
+        steps = []
+        fb = eng.executor.forward_batch
+
+        def forward_batch(items):
+            out = fb(items)
+            steps.append(torch.cat(out).clone())      # (the sampler may change the logits it is given)
+            return out
+
+        eng.executor.forward_batch = forward_batch
+        tokens = [e.token_id for e in eng.generate("a b c d e", max_new_tokens=10) if e.token_id is not None]
+        eng.close()
+        return tokens, steps
+
+    tokens, steps = run()
+    assert calls
+    assert any(summed) == (arch == "qwen3_moe" and dtype == "bfloat16")   # (mixtral: float32 routing weights)
+    monkeypatch.setattr(moe, "_experts_decode", lambda parts, s: None)
+    calls.clear()
+    tokens_before, steps_before = run()
+    assert not calls
+    assert tokens == tokens_before
+    assert len(steps) == len(steps_before) and all(torch.equal(a, b) for a, b in zip(steps, steps_before))
+
+
+def test_packed_transfer_keeps_every_tensor():
+    g = torch.Generator().manual_seed(2)
+    parts = [torch.randn(3, 5, generator=g).to(torch.bfloat16), torch.arange(7),
+             torch.randn(3, generator=g), torch.randn(1, 3, generator=g).to(torch.float16),
+             torch.randint(0, 9, (2, 3), generator=g)]
+    moved = moe._moved(parts, "cpu")
+    for a, b in zip(parts, moved):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b)
+        assert a.data_ptr() != b.data_ptr()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_packed_state_finishes_the_same(arch):
+    cfg = ModelConfig(arch=arch, vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, rope_theta=1e4, max_position_embeddings=64, dtype="bfloat16",
+                      num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                      norm_topk_prob=arch == "qwen3_moe")
+    g = torch.Generator().manual_seed(3)
+    w = {"ffn_norm.weight": torch.ones(32, dtype=torch.bfloat16),
+         "router.weight": torch.randn(8, 32, generator=g).to(torch.bfloat16),
+         "experts.gate_up.weight": (torch.randn(8, 32, 32, generator=g) * 0.1).to(torch.bfloat16),
+         "experts.down.weight": (torch.randn(8, 32, 16, generator=g) * 0.1).to(torch.bfloat16)}
+    for n in (1, 5):
+        x = torch.randn(n, 32, generator=g).to(torch.bfloat16)
+        s = moe.router_block(cfg, w, x)
+        half = moe.experts_block(cfg, w, moe.router_block(cfg, w, x), range(0, 4))   # a partial sum moves too
+        for state in (s, half):
+            fields = [state.x, state.h, state.rows, state.weights] + ([] if state.out is None else [state.out])
+            moved = moe._moved(fields, "cpu")
+            packed = moe.MoeState(moved[0], moved[1], moved[4] if state.out is not None else None, moved[2],
+                                  moved[3], state.bounds)
+            rest = range(0, 8) if state is s else range(4, 8)
+            a = moe.finish(moe.experts_block(cfg, w, state, rest))
+            b = moe.finish(moe.experts_block(cfg, w, packed, rest))
+            assert torch.equal(a, b)
+    assert s.to("cpu") is s
