@@ -14,7 +14,7 @@ from engine.bench.shapes import get_shape
 from engine.sharding.estimator import Estimator
 from engine.sharding.plan import Placement
 from engine.sharding.profile import ProfileDatabase, sim_profile_dict
-from engine.sharding.spec import ModelSpec
+from engine.sharding.spec import ModelSpec, routed_streaming
 from tests.engine.planner_cases import model_configs
 
 SIM = ProfileDatabase.sim()
@@ -101,8 +101,13 @@ def test_more_tokens_never_cheaper_per_step(cfg, seed, n_slots):
     est = Estimator(spec, SIM)
     rng = random.Random(seed)
     pl = placement(spec, lambda s: rng.choice([R, S, C]))
-    times = [est.estimate(pl, n, 4096, n_slots) for n in (1, 2, 4, 16, 64, 256, 1024, 4096)]
-    assert all(b >= a * (1 - 1e-12) for a, b in itertools.pairwise(times)), times
+    ns = (1, 2, 4, 16, 64, 256, 1024, 4096)
+    times = [est.estimate(pl, n, 4096, n_slots) for n in ns]
+    # Within one way of streaming experts. Where a MoE step switches from routed streaming (copy only the
+    # routed experts, after the router) to whole-group copies (prefetched ahead), a bigger step can be a
+    # little cheaper: the copies no longer wait for the router.
+    same = [routed_streaming(cfg, a) == routed_streaming(cfg, b) for a, b in itertools.pairwise(ns)]
+    assert all(b >= a * (1 - 1e-12) for (a, b), s in zip(itertools.pairwise(times), same) if s), times
     assert all(np.isfinite(times))
 
 
