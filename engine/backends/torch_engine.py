@@ -119,7 +119,8 @@ class TorchEngine(Engine):
         if kv_dtype not in (None, "fp8"):
             raise BadInputError(f"kv_dtype={kv_dtype!r}: expected None (the model's precision) or 'fp8'")
         self.kv_dtype = kv_dtype
-        self.spec = ModelSpec.from_config(cfg, kv_dtype=kv_dtype)
+        self.spec = ModelSpec.from_config(cfg, kv_dtype=kv_dtype).widened(
+            n for n, w in loaded.weights.items() if w.is_floating_point() and w.element_size() > self.dtype.itemsize)
         if self.device == "cpu":
             self.accel = None
         else:

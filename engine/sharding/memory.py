@@ -36,7 +36,7 @@ def sublayer_bytes(spec: ModelSpec) -> dict[str, int]:
     for sub in spec.sublayers:
         total = 0
         for n in sub.weight_names:
-            nbytes = math.prod(shapes[n]) * spec.dtype_bytes
+            nbytes = math.prod(shapes[n]) * (4 if n in spec.wide else spec.dtype_bytes)
             total += -(-nbytes // TENSOR_ALIGN) * TENSOR_ALIGN
         out[sub.name] = total
     return out

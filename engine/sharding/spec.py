@@ -16,9 +16,10 @@ router has run: the executor and the estimator apply the same rule.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from engine.config import ModelConfig, weight_names
+from engine.config import ModelConfig, weight_names, weight_shapes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # A streamed expert group copies only its routed experts in steps expected to touch less than this
@@ -60,6 +61,20 @@ class ModelSpec:
     dtype_bytes: int
     kv_dtype_bytes: int
     sublayers: tuple[SubLayerSpec, ...]
+    wide: frozenset[str] = frozenset()   # weights stored in float32 beside 16-bit ones (GGUF norms, routers)
+
+    def widened(self, names) -> ModelSpec:
+        """This spec with `names` held in float32 (4 bytes an element) while the rest run in the compute
+        dtype, each sub-layer's bytes grown to match (the executor packs and books them at that size)."""
+        wide = frozenset(names) - self.wide
+        if not wide or self.dtype_bytes >= 4:
+            return self
+        from dataclasses import replace
+
+        shapes, extra = weight_shapes(self.config), 4 - self.dtype_bytes
+        subs = tuple(replace(s, weight_bytes=s.weight_bytes + extra * sum(
+            math.prod(shapes[n]) for n in s.weight_names if n in wide)) for s in self.sublayers)
+        return replace(self, sublayers=subs, wide=self.wide | wide)
 
     @staticmethod
     def from_config(cfg: ModelConfig, *, dtype: str | None = None, kv_dtype: str | None = None) -> ModelSpec:

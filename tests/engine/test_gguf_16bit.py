@@ -212,3 +212,22 @@ def test_tensors_of_another_type_keep_their_precision(gguf_of, references, arch,
         assert rel_err(got, transformers_logits_of(hf, loaded.weights, IDS)) < 1e-5
     else:
         assert_like_transformers_16bit(got, *references(hf, DTYPES[qtype]), "cpu")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama"])
+def test_planned_bytes_equal_the_packed_bytes(gguf_of, arch):
+    """The planner's bytes of every sub-layer are what the executor packs and books, with the file's
+    float32 norms and routers beside its 16-bit matrices; a plan filling the budget activates."""
+    from engine.backends.torch_engine import TorchEngine
+    from engine.sharding.memory import sublayer_bytes
+
+    _, path = gguf_of(arch, "F16")
+    eng = TorchEngine(str(path), device="sim", vram_budget="1GiB", speculative=False)
+    assert eng.spec.wide                                   # norms (and routers) kept in float32
+    planned = sublayer_bytes(eng.spec)
+    assert planned == {s.name: eng.executor.store.nbytes(s.name) for s in eng.spec.sublayers}
+    tight = eng.plan_report()["tiers"][0]["vram"]["total"]
+    eng.set_vram_budget(tight)
+    eng.force_plan("gpu_only")
+    assert eng.score(IDS[:20]).shape[0] == 20
+    eng.close()
