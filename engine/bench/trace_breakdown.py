@@ -7,7 +7,8 @@ Per kind of sub-layer and placement (e.g. `cpu/ffn`, `resident/attn`): how many 
 on the host thread that ran the step, and how much of it was outside any PyTorch op (the native CPU matmul,
 waits and Python), then the PyTorch ops taking the rest. A CPU sub-layer's time outside PyTorch ops is
 mostly the native matmul: divided into its weight bytes it gives the rate the CPU really streamed at during
-decode, to set beside the profile's rate for the same matmuls. Also the step's copies and their rates.
+decode, to set beside the profile's rate for the same matmuls. Also the step's copies and their rates,
+and how busy the copy engine, the CPU sub-layers and the GPU's kernels were over the traced steps.
 """
 
 from __future__ import annotations
@@ -58,7 +59,51 @@ def breakdown(events: list[dict]) -> dict:
             c[0] += 1
             c[1] += e["dur"]
             c[2] += float((e.get("args") or {}).get("bytes", 0) or 0)
-    return {"kinds": kinds, "copies": dict(copies)}
+    return {"kinds": kinds, "copies": dict(copies), "busy": busy_fractions(spans, labels)}
+
+
+def _union(intervals) -> list[list[float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _length(iv) -> float:
+    return sum(b - a for a, b in iv)
+
+
+def _overlap(xs, ys) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        a, b = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, b - a)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def busy_fractions(spans: list[dict], labels: list[dict]) -> dict[str, float]:
+    """Over the traced steps (first sub-layer's start to the last one's end): the share of time the copy
+    engine copied weights, the host ran CPU sub-layers, both at once, GPU kernels ran, and none of them."""
+    t0 = min(e["ts"] for e in labels)
+    t1 = max(e["ts"] + e["dur"] for e in labels)
+    clip = [(max(a, t0), min(b, t1)) for a, b in
+            ((e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("name", "").startswith("Memcpy HtoD (Pinned"))
+            if b > t0 and a < t1]
+    dma = _union(clip)
+    cpu = _union((e["ts"], e["ts"] + e["dur"]) for e in labels if e["name"].endswith(":cpu"))
+    gpu = _union((e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("cat") == "kernel")
+    span = t1 - t0
+    return {"span_ms": span / 1e3, "copies": _length(dma) / span, "cpu_sublayers": _length(cpu) / span,
+            "copies_and_cpu": _overlap(dma, cpu) / span, "gpu_kernels": _length(gpu) / span,
+            "none": 1 - _length(_union(dma + cpu + gpu)) / span}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         n = k["n"]
         top = ", ".join(f"{op.replace('aten::', '')} {us / n:.0f}" for op, us in k["ops"].most_common(args.top))
         print(f"| {name} | {n} | {k['us'] / n / 1e3:.2f} | {k['outside_us'] / n / 1e3:.2f} | {top} |")
+    b = r["busy"]
+    print()
+    print(f"Over {b['span_ms']:.0f} ms of traced steps: weight copies {b['copies']:.0%}, CPU sub-layers "
+          f"{b['cpu_sublayers']:.0%}, both at once {b['copies_and_cpu']:.0%}, GPU kernels {b['gpu_kernels']:.0%}, "
+          f"none of these {b['none']:.0%}.")
     print()
     print("| copy | count | total ms | GB/s |")
     print("|---|---|---|---|")
