@@ -68,9 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[float]] = {"PASSIVE": [], "ACTIVE": []}
     try:
         for _ in range(args.repeats):
-            for policy in runs:
+            for policy, rates in runs.items():
                 r = run_once(policy, args.tokens)
-                runs[policy].append(r["tps"])
+                rates.append(r["tps"])
                 print(f"{policy:8s} {r['tps']:.1f} tokens/s ({r['tokens']} tokens)", flush=True)
     finally:
         stop.set()
