@@ -245,23 +245,29 @@ def linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor],
                 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k or not 0 < x.shape[0] <= MAX_ROWS
                 or not x.is_contiguous() or not w.is_contiguous() or x.requires_grad or w.requires_grad):
             return None
+    return _batch(w0.dtype, [x.data_ptr() for x in xs], [w.data_ptr() for w in ws], [x.shape[0] for x in xs],
+                  n, k)
+
+
+def _batch(dtype: torch.dtype, xp: list[int], wp: list[int], counts: list[int], n: int, k: int):
+    """One `sl_linear_batch` job: matmul i reads counts[i] rows at address xp[i] and the [n, k] matrix at
+    wp[i]; the outputs are packed in order into a new [sum(counts), n] tensor (None: no kernel, or the
+    pool is busy with another thread's job)."""
     lib = _load()
     if lib is None:
         return None
     _sync_threads(lib)
-    counts = [x.shape[0] for x in xs]
-    y = torch.empty(sum(counts), n, dtype=w0.dtype)
+    y = torch.empty(sum(counts), n, dtype=dtype)
     es, at, yp = y.element_size(), y.data_ptr(), []
     for c in counts:
         yp.append(at)
         at += c * n * es
-    arr = ctypes.c_void_p * len(xs)
+    arr = ctypes.c_void_p * len(xp)
     if not _busy.acquire(blocking=False):
         return None
     try:
-        rc = lib.sl_linear_batch(_DTYPES[w0.dtype], len(xs), arr(*[x.data_ptr() for x in xs]),
-                                 arr(*[w.data_ptr() for w in ws]), arr(*yp),
-                                 (ctypes.c_int64 * len(xs))(*counts), n, k)
+        rc = lib.sl_linear_batch(_DTYPES[dtype], len(xp), arr(*xp), arr(*wp), arr(*yp),
+                                 (ctypes.c_int64 * len(xp))(*counts), n, k)
     finally:
         _busy.release()
     return y if rc == 0 else None
@@ -300,24 +306,9 @@ def linear_stacked(x: torch.Tensor, stacks: list[torch.Tensor], picks: list[tupl
     sizes = [st.shape[0] for st in stacks]
     if any(not 0 <= j < sizes[g] for g, j in picks):
         return None
-    lib = _load()
-    if lib is None:
-        return None
-    _sync_threads(lib)
-    y = torch.empty(m, n, dtype=dtype)
-    es = y.element_size()
-    xp, yp = x.data_ptr(), y.data_ptr()
-    arr = ctypes.c_void_p * m
-    xs = arr(*([xp] * m if x.shape[0] == 1 else range(xp, xp + m * k * es, k * es)))
-    ws = arr(*[bases[g] + j * steps[g] for g, j in picks])
-    ys = arr(*range(yp, yp + m * n * es, n * es))
-    if not _busy.acquire(blocking=False):
-        return None
-    try:
-        rc = lib.sl_linear_batch(_DTYPES[dtype], m, xs, ws, ys, (ctypes.c_int64 * m)(*([1] * m)), n, k)
-    finally:
-        _busy.release()
-    return y if rc == 0 else None
+    xp, row = x.data_ptr(), k * x.element_size()
+    xs = [xp] * m if x.shape[0] == 1 else list(range(xp, xp + m * row, row))
+    return _batch(dtype, xs, [bases[g] + j * steps[g] for g, j in picks], [1] * m, n, k)
 
 
 def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero: bool = False) -> bool:
