@@ -229,6 +229,8 @@ class TorchEngine(Engine):
         """Re-plan for `budget` and bring memory to the new plan (called with the engine idle or at a
         sub-layer boundary of the running step)."""
         t0 = time.perf_counter()
+        if self.accel is not None:
+            self.accel.refresh_overhead()
         room = budget if self.accel is None else self.accel.usable(budget)   # less the process overhead
         shrinking = self.accel is not None and room < self.accel.budget
         if shrinking:
@@ -236,11 +238,13 @@ class TorchEngine(Engine):
         planset = self._make_planset(room)
         if self.accel is not None and not shrinking:
             self.accel.budget = room
+            self.accel.cap_allocator(budget)
         self.planset = planset
         self.executor.activate(planset.for_tokens(1), kv_blocks=self.kv_tokens // BLOCK_SIZE)
         if shrinking:
             self.accel.budget = room
             self.executor.release_to_driver()
+            self.accel.cap_allocator(budget)
         self.budget = budget
         self.replans.append({"time": time.time(), "budget": budget, "reason": reason,
                              "replan_ms": (time.perf_counter() - t0) * 1e3})

@@ -66,6 +66,7 @@ def main(argv=None) -> int:
     tiers = [int(t) for t in args.tiers.split(",")]
     eng = open_shape(args.shape, budgets[0], n_ctx=max(tiers) + args.ctx + 16)
     eng.kv_tokens = eng._kv_capacity(max(tiers) + args.ctx)
+    torch.cuda.set_per_process_memory_fraction(1.0)   # budgets here are bookings, not the whole process
     planner = eng.planner()
     rows = []
     for budget in budgets:

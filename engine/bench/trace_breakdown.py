@@ -106,21 +106,13 @@ def busy_fractions(spans: list[dict], labels: list[dict]) -> dict[str, float]:
             "none": 1 - _length(_union(dma + cpu + gpu)) / span}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trace", help="a decode_trace_<budget>.json.gz")
-    ap.add_argument("--top", type=int, default=8, help="PyTorch ops listed per kind")
-    args = ap.parse_args(argv)
-    opener = gzip.open if args.trace.endswith(".gz") else open
-    with opener(args.trace, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    r = breakdown(events)
+def print_report(r: dict, top: int = 8) -> None:
     print("| sub-layers | count | mean ms | outside PyTorch ops ms | top PyTorch ops (us per sub-layer) |")
     print("|---|---|---|---|---|")
     for name, k in sorted(r["kinds"].items()):
         n = k["n"]
-        top = ", ".join(f"{op.replace('aten::', '')} {us / n:.0f}" for op, us in k["ops"].most_common(args.top))
-        print(f"| {name} | {n} | {k['us'] / n / 1e3:.2f} | {k['outside_us'] / n / 1e3:.2f} | {top} |")
+        ops = ", ".join(f"{op.replace('aten::', '')} {us / n:.0f}" for op, us in k["ops"].most_common(top))
+        print(f"| {name} | {n} | {k['us'] / n / 1e3:.2f} | {k['outside_us'] / n / 1e3:.2f} | {ops} |")
     b = r["busy"]
     print()
     print(f"Over {b['span_ms']:.0f} ms of traced steps: weight copies {b['copies']:.0%}, CPU sub-layers "
@@ -132,6 +124,17 @@ def main(argv: list[str] | None = None) -> int:
     for name, (n, us, nbytes) in sorted(r["copies"].items(), key=lambda kv: -kv[1][1]):
         rate = f"{nbytes / us / 1e3:.1f}" if nbytes and us else "-"
         print(f"| {name} | {n} | {us / 1e3:.1f} | {rate} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace", help="a decode_trace_<budget>.json.gz")
+    ap.add_argument("--top", type=int, default=8, help="PyTorch ops listed per kind")
+    args = ap.parse_args(argv)
+    opener = gzip.open if args.trace.endswith(".gz") else open
+    with opener(args.trace, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    print_report(breakdown(events), args.top)
     return 0
 
 

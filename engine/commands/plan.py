@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from engine.errors import BadInputError
 from engine.sharding.plan import DEFAULT_TIERS, PLAN_KINDS, Plan, PlanSet
@@ -29,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", default="auto", choices=("auto",) + PLAN_KINDS, help="force one plan kind")
     p.add_argument("--n-slots", type=int, default=2, help="streaming slots (default 2)")
     p.add_argument("--json", action="store_true", help="print the plan report as JSON")
+    p.add_argument("--profile-file", default=None,
+                   help="plan with the (first) profile stored in this database file instead of measuring "
+                        "--device: a GPU machine's plans, here")
 
 
 def load_config(model: str):
@@ -94,6 +98,18 @@ def print_table(name: str, cfg, spec, planset: PlanSet, prof, kv_tokens: int, ou
         print(f"{p.tier:>5}  {placement_map(p)}", file=out)
 
 
+def profile_from_file(path: str):
+    """The first profile of a profile database file (one-line error when it is missing or not one)."""
+    from engine.sharding.profile import ProfileDatabase
+
+    try:
+        data = json.loads(Path(path).read_text())
+        entry = next(iter(data["profiles"].values()))
+        return ProfileDatabase.from_dict(entry)
+    except (OSError, ValueError, KeyError, StopIteration, TypeError) as exc:
+        raise BadInputError(f"--profile-file {path}: not a readable profile database ({type(exc).__name__})") from exc
+
+
 def run(args: argparse.Namespace) -> int:
     from engine.sharding.planner import Planner
     from engine.sharding.profile import ProfileDatabase
@@ -108,7 +124,10 @@ def run(args: argparse.Namespace) -> int:
 
     from engine.commands.profile import progress_printer
 
-    prof = ProfileDatabase.for_device(args.device, quick=True, progress=progress_printer(sys.stderr))
+    if args.profile_file:
+        prof = profile_from_file(args.profile_file)
+    else:
+        prof = ProfileDatabase.for_device(args.device, quick=True, progress=progress_printer(sys.stderr))
     planner = Planner(spec, prof, tiers=tiers, n_slots=args.n_slots)
     forced = None if args.kind == "auto" else args.kind
     planset = planner.plan(budget, kv_tokens=args.kv_tokens, force_kind=forced)

@@ -321,7 +321,7 @@ def measure_profile(device: str, quick: bool = True, progress: Progress | None =
     from engine.sharding.measure_link import link_section
 
     device = normalize_device(device)
-    cpu_sizes = measure.CPU_QUICK if quick else measure.CPU_FULL
+    cpu_sizes = measure.beyond_caches(measure.CPU_QUICK if quick else measure.CPU_FULL)
     created = datetime.now(timezone.utc).isoformat(timespec="seconds")
     data: dict = {"schema": profile_store.SCHEMA, "device": device, "quick": quick, "created": created,
                   "gpu": None, "link": None}
