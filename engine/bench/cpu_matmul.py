@@ -18,7 +18,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from engine import kernels
 from engine.config import ModelConfig
@@ -75,7 +74,7 @@ def main(argv=None) -> int:
             row = {"dtype": name, "rows": m, "shape": [2 * f, h]}
             for path, on in (("native", True), ("torch", False)):
                 kernels.set_enabled(on)
-                row[f"{path}_gbps"] = round(_rate(lambda i: dense.linear(x, ws[i % count]), per, count,
+                row[f"{path}_gbps"] = round(_rate(lambda i, x=x, ws=ws, count=count: dense.linear(x, ws[i % count]), per, count,
                                                   args.min_s), 2)
             kernels.set_enabled(True)
             rows_out.append(row)
@@ -94,7 +93,7 @@ def main(argv=None) -> int:
     block = {}
     for path, on in (("native", True), ("torch", False)):
         kernels.set_enabled(on)
-        block[f"{path}_gbps"] = round(_rate(lambda i: dense.ffn_block(cfg, blocks[i % count], x), per, count,
+        block[f"{path}_gbps"] = round(_rate(lambda i, blocks=blocks: dense.ffn_block(cfg, blocks[i % count], x), per, count,
                                             args.min_s), 2)
     kernels.set_enabled(True)
     block["native_ms"] = round(per / block["native_gbps"] / 1e6, 3)

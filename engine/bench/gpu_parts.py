@@ -135,7 +135,6 @@ def scenario_gguf(scenario, args, say=say) -> tuple[Path, dict]:
 
 
 def part_llamacpp(args, part: Partial, deadline, command: str) -> int:
-    from engine.bench import llamacpp_plan as lp
     from engine.bench import llamacpp_runs as lr
     from engine.bench.gguf_shapes import gguf_shape
 
@@ -238,8 +237,8 @@ def plan_llamacpp(args, say=say) -> int:
                 runs, c = [], c0
                 for bname, b in budgets:
                     res = lp.search_fit(shape, variant.mode, b + allowance,
-                                        lambda x, t=c0 + offset: {"peak": t + lp.offloaded_bytes(
-                                            shape, variant.mode, x, runner.n_ctx)}, c, n_ctx=runner.n_ctx)
+                                        lambda x, t=c0 + offset, shape=shape, mode=variant.mode, n=runner.n_ctx:
+                                        {"peak": t + lp.offloaded_bytes(shape, mode, x, n)}, c, n_ctx=runner.n_ctx)
                     c = res.learned_c if res.learned_c is not None else c
                     runs.append(f"{bname}: x " + ",".join(map(str, res.runs)) + f" -> {res.x}")
                 say(f"    if the peak is {offset / 1e9:+.1f} GB off: " + "; ".join(runs))

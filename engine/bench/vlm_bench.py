@@ -307,9 +307,9 @@ def _hf_model(folder: Path, gen_device: str):
 
 def _hf_names(folder: Path) -> None:
     """Map the engine's text weight names to the HF names whose seeds draw them (the same values)."""
+    import torch
     from transformers import AutoConfig, Qwen2_5_VLForConditionalGeneration
 
-    import torch
     from engine.loading.hf_vision import text_canonical_name
 
     cfg = AutoConfig.from_pretrained(folder)
@@ -530,8 +530,8 @@ def table(p: dict) -> str:
     def num(v, fmt="{:.2f}"):
         return fmt.format(v) if isinstance(v, (int, float)) else "-"
 
-    rows = [f"{'system':<12} {'TTFT s':>8} {'total s':>8} {'tok':>4} {'dec t/s':>8} {'NVML GiB':>9} "
-            f"{'torch GiB':>9} {'acct GiB':>9}  note"]
+    rows = [(f"{'system':<12} {'TTFT s':>8} {'total s':>8} {'tok':>4} {'dec t/s':>8} {'NVML GiB':>9} "
+             f"{'torch GiB':>9} {'acct GiB':>9}  note")]
     for name in ("slipstream", "accelerate"):
         r = p.get(name, {})
         note = r.get("error") or r.get("skipped") or (f"vision {r.get('vision_where')} {num(r.get('vision_ms'), '{:.0f}')} ms"

@@ -55,12 +55,12 @@ MiB = 1 << 20
 CACHE_ROTATIONS = 4          # a rotation spans this many last-level caches: a cyclic read then hits none
 
 
-def last_level_cache_bytes() -> int | None:
+def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
     """The largest CPU cache of this machine (Linux sysfs), or None where it cannot be read."""
     from pathlib import Path
 
     best = None
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+    for f in Path(root).glob("index*/size"):
         try:
             text = f.read_text().strip().upper()
             n = int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)

@@ -58,8 +58,8 @@ def test_tiny_qwen3moe_gguf_runs_in_llamacpp_like_the_engine(tiny_model, tmp_pat
 
 
 def _args(**kw) -> argparse.Namespace:
-    base = dict(models="qwen3-30b-a3b", budgets="4GiB,8GiB", tuned=None, llamacpp_prompts=None, dry_run=False,
-                prior=None, gguf_dtype="f16")
+    base = {"models": "qwen3-30b-a3b", "budgets": "4GiB,8GiB", "tuned": None, "llamacpp_prompts": None,
+            "dry_run": False, "prior": None, "gguf_dtype": "f16"}
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -147,13 +147,13 @@ def test_packed_state_finishes_the_same(arch):
     for n in (1, 5):
         x = torch.randn(n, 32, generator=g).to(torch.bfloat16)
         s = moe.router_block(cfg, w, x)
-        half = moe.experts_block(cfg, w, moe.router_block(cfg, w, x), range(0, 4))   # a partial sum moves too
+        half = moe.experts_block(cfg, w, moe.router_block(cfg, w, x), range(4))   # a partial sum moves too
         for state in (s, half):
             fields = [state.x, state.h, state.rows, state.weights] + ([] if state.out is None else [state.out])
             moved = moe._moved(fields, "cpu")
             packed = moe.MoeState(moved[0], moved[1], moved[4] if state.out is not None else None, moved[2],
                                   moved[3], state.bounds)
-            rest = range(0, 8) if state is s else range(4, 8)
+            rest = range(8) if state is s else range(4, 8)
             a = moe.finish(moe.experts_block(cfg, w, state, rest))
             b = moe.finish(moe.experts_block(cfg, w, packed, rest))
             assert torch.equal(a, b)

@@ -23,7 +23,7 @@ import engine
 from engine.sharding.plan import Placement, Plan, PlanSet
 from engine.sharding.spec import ModelSpec
 from tests.engine.reference import rel_err, transformers_logits
-from tests.engine.test_moe import DEVICE, IDS, open_tiny
+from tests.engine.test_moe import IDS, open_tiny
 from tests.engine.tiny_plans import slow_cpu_profile, third_of_weights
 
 R, S, C = Placement.RESIDENT, Placement.STREAMED, Placement.CPU

@@ -57,3 +57,41 @@ def test_profile_sim_shows_the_synthetic_profile(capsys):
     assert main(["profile", "--device", "sim"]) == 0
     out = capsys.readouterr().out
     assert "notional client GPU" in out and "PCIe" in out
+
+
+def _profile_file(tmp_path, h2d_scale: float = 1.0):
+    from engine.sharding.profile import sim_profile_dict
+
+    prof = sim_profile_dict()
+    prof["device"] = "cuda:0"
+    for k in ("h2d_gbps", "h2d_with_cpu_gbps"):
+        if k in prof["link"]:
+            prof["link"][k] *= h2d_scale
+    path = tmp_path / "profiles.json"
+    path.write_text(json.dumps({"schema": prof["schema"], "profiles": {"abc": prof}}))
+    return path
+
+
+def _tier1_ms(capsys, argv) -> float:
+    assert main(["plan", "--model", "llama3-8b", "--budget", "4GiB", "--tiers", "1", "--json", *argv]) == 0
+    return json.loads(capsys.readouterr().out)["tiers"][0]["predicted_ms"]
+
+
+def test_plan_with_a_profile_file_uses_that_machine(tmp_path, capsys):
+    """The GPU machine's stored profile plans here: the sim profile from a file plans as sim does, and a
+    file with a slower PCIe link predicts a slower step."""
+    same = _tier1_ms(capsys, ["--profile-file", str(_profile_file(tmp_path))])
+    assert same == pytest.approx(_tier1_ms(capsys, []))
+    slow = _tier1_ms(capsys, ["--profile-file", str(_profile_file(tmp_path, h2d_scale=0.1))])
+    assert slow > same
+    assert main(["plan", "--model", "llama3-8b", "--budget", "4GiB", "--profile-file",
+                 str(_profile_file(tmp_path))]) == 0
+    assert "profile cuda:0" in capsys.readouterr().out
+
+
+def test_plan_with_a_bad_profile_file_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["plan", "--model", "llama3-8b", "--budget", "4GiB", "--profile-file", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "bad.json" in err and "\n" not in err

@@ -1,0 +1,36 @@
+"""The caching allocator is held to the whole-process budget less the process overhead (CUDA only: on
+the GPU machine, `SLIPSTREAM_TEST_DEVICE=cuda`); elsewhere the cap is not set."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from engine.sharding.device import Accelerator
+
+DEVICE = os.environ.get("SLIPSTREAM_TEST_DEVICE", "sim")
+MiB = 1 << 20
+
+
+def test_sim_sets_no_cap():
+    assert Accelerator("sim").cap_allocator(1 << 30) is None
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the allocator cap is a CUDA allocator setting")
+def test_allocator_cannot_grow_past_the_budget(monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_VRAM_OVERHEAD", str(64 * MiB))
+    accel = Accelerator("cuda")
+    torch.cuda.empty_cache()
+    try:
+        assert accel.cap_allocator(64 * MiB + 256 * MiB) is not None
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+        accel.cap_allocator(64 * MiB + 2048 * MiB)        # a raised budget lifts it
+        x = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+        assert x.numel() == 512 * MiB
+        del x
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
