@@ -4,7 +4,7 @@ PyTorch allocator (live tensors, reserved segments) and the engine's own booking
 The suite measures one NVML peak per budget; when that peak is above the budget this tells which phase
 (prefill 512/4096, decode, batched decode) put it there and whether the bytes were live tensors the
 engine did not book (allocated > booked) or allocator segments kept after their tensors died
-(reserved > allocated).
+(reserved > allocated). Also the pinned host memory PyTorch holds beside the weights' size.
 
     python -m engine.bench.vram_audit --shape llama3-8b --budgets 2GiB,4GiB --out DIR
 """
@@ -35,7 +35,17 @@ def _snapshot(eng, poll: VramPoller, phase: str) -> dict:
             "nvml_peak": max(peaks, default=0),
             "allocated": torch.cuda.memory_allocated(), "max_allocated": torch.cuda.max_memory_allocated(),
             "reserved": torch.cuda.memory_reserved(), "max_reserved": torch.cuda.max_memory_reserved(),
-            "booked": in_use.get("total"), "booked_peak": in_use.get("peak")}
+            "booked": in_use.get("total"), "booked_peak": in_use.get("peak"),
+            "host_pinned": _pinned_bytes(), "weights_bytes": eng.spec.total_weight_bytes}
+
+
+def _pinned_bytes() -> int | None:
+    """Bytes of pinned host blocks PyTorch's host allocator holds (its blocks are rounded up to a power
+    of two), where this PyTorch reports them."""
+    try:
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current"))
+    except (AttributeError, RuntimeError, TypeError):
+        return None
 
 
 def _phases(eng):
@@ -75,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:>5} {phase:<12} NVML now/peak {row['nvml_now'] / MIB:7.0f}/{row['nvml_peak'] / MIB:7.0f}"
                       f"  alloc now/max {row['allocated'] / MIB:7.0f}/{row['max_allocated'] / MIB:7.0f}"
                       f"  reserved now/max {row['reserved'] / MIB:7.0f}/{row['max_reserved'] / MIB:7.0f}"
-                      f"  booked now/peak {(row['booked'] or 0) / MIB:7.0f}/{(row['booked_peak'] or 0) / MIB:7.0f} MiB",
+                      f"  booked now/peak {(row['booked'] or 0) / MIB:7.0f}/{(row['booked_peak'] or 0) / MIB:7.0f} MiB"
+                      f"  pinned host {(row['host_pinned'] or 0) / 2**30:.1f} GiB for {row['weights_bytes'] / 2**30:.1f}"
+                      " GiB of weights",
                       flush=True)
     write_report(args.out, "vram_audit", {"shape": args.shape, "rows": rows},
                  "python -m engine.bench.vram_audit " + " ".join(argv if argv is not None else sys.argv[1:]))

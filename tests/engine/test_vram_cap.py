@@ -34,3 +34,23 @@ def test_allocator_cannot_grow_past_the_budget(monkeypatch):
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         torch.cuda.empty_cache()
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="NVML's per-process figure on the GPU machine")
+def test_overhead_follows_what_nvml_shows_beyond_the_allocator(monkeypatch):
+    """Kernels load lazily and take device memory outside the allocator: a budget change re-reads it."""
+    from engine.sharding.device import process_vram_bytes
+
+    monkeypatch.delenv("SLIPSTREAM_VRAM_OVERHEAD", raising=False)
+    accel = Accelerator("cuda")
+    accel.overhead = 0
+    accel.refresh_overhead()
+    nvml = process_vram_bytes(0)
+    if nvml is None:
+        pytest.skip("no per-process NVML figure here")
+    assert accel.overhead > 0
+    assert abs(accel.overhead - (nvml - torch.cuda.memory_reserved())) < 64 * MiB
+    high = accel.overhead + (1 << 30)
+    accel.overhead = high
+    accel.refresh_overhead()
+    assert accel.overhead == high            # never lowered
