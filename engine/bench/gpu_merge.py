@@ -117,6 +117,82 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+METRICS = (("decode_tps", "decode"), ("prefill512_tps", "prefill 512"), ("prefill4096_tps", "prefill 4096"),
+           ("decode_batch4_tps", "batch 4"), ("decode_batch16_tps", "batch 16"))
+# The issue's targets, for the Llama-3-8B shape at 4 GiB: (metric, against, at least); elsewhere reported.
+TARGET_AT = ("llama3-8b", "4GiB")
+TARGETS = (("decode_tps", "best llama.cpp", 1.5), ("prefill4096_tps", "best llama.cpp", 1.5),
+           ("prefill4096_tps", "llama.cpp-default", 10.0), ("decode_tps", "bound", 0.75))
+
+
+def _best_llamacpp(rows: list[dict], key: str) -> dict | None:
+    """The fastest llama.cpp row (default or tuned) that fit its budget, for one metric."""
+    ok = [r for r in rows if r["system"].startswith("llama.cpp") and r.get("fits") is not False
+          and r.get(key) is not None]
+    return max(ok, key=lambda r: r[key], default=None)
+
+
+def ratios(rows: list[dict]) -> list[dict]:
+    """Per model and budget: Slipstream's figure against the best fitting llama.cpp row for each metric,
+    the issue's targets where they apply (met or missed), and whether Slipstream's whole process stayed
+    within the budget."""
+    out = []
+    for (model, budget) in dict.fromkeys((r["model"], r["budget"]) for r in rows):
+        group = [r for r in rows if r["model"] == model and r["budget"] == budget]
+        ss = next((r for r in group if r["system"] == "slipstream" and r.get("supported", True)), None)
+        if ss is None:
+            continue
+        targeted = (model, budget) == TARGET_AT
+        peers = {"llama.cpp-default": next((r for r in group if r["system"] == "llama.cpp-default"
+                                            and r.get("fits") is not False), None),
+                 "bound": next((r for r in group if r["system"] == "bound"), None)}
+        for key, label in METRICS:
+            mine = ss.get(key)
+            if mine is None:
+                continue
+            against = [("best llama.cpp", _best_llamacpp(group, key))]
+            against += [(name, peers[name]) for name in ("llama.cpp-default", "bound")
+                        if any(t[0] == key and t[1] == name for t in TARGETS)]
+            for name, peer in against:
+                theirs = None if peer is None else peer.get(key)
+                ratio = mine / theirs if theirs else None
+                target = next((t[2] for t in TARGETS if targeted and t[0] == key and t[1] == name), None)
+                out.append({"model": model, "budget": budget, "metric": label, "slipstream": mine,
+                            "against": name, "peer_system": None if peer is None else peer["system"],
+                            "peer": theirs, "ratio": ratio, "target": target,
+                            "met": None if target is None or ratio is None else ratio >= target})
+        peak = ss.get("peak_vram_bytes")
+        out.append({"model": model, "budget": budget, "metric": "peak VRAM within the budget",
+                    "slipstream": peak, "against": "budget", "peer_system": None, "peer": ss.get("budget_bytes"),
+                    "ratio": None, "target": "at most the budget", "met": ss.get("fits")})
+    return out
+
+
+def _num(v) -> str:
+    return "-" if v is None else (f"{v:.0f}" if v >= 100 else f"{v:.2f}")
+
+
+def ratio_table(rs: list[dict]) -> str:
+    if not rs:
+        return "(no Slipstream rows yet)"
+    lines = ["| model | budget | metric | Slipstream | against | theirs | ratio | target | met |",
+             "|---|---|---|---:|---|---:|---:|---|---|"]
+    for r in rs:
+        if r["against"] == "budget":
+            mine, theirs, ratio, target = _gib(r["slipstream"]), _gib(r["peer"]), "-", r["target"]
+        else:
+            mine, theirs = _num(r["slipstream"]), _num(r["peer"])
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+            target = "reported" if r["target"] is None else f"at least {r['target']:g}x"
+            if r["peer"] is None:
+                theirs = "not run"
+        met = {None: "-", True: "yes", False: "**no**"}[r["met"]]
+        peer = r["against"] if r["peer_system"] in (None, r["against"]) else f"{r['against']} ({r['peer_system']})"
+        lines.append(f"| {r['model']} | {r['budget']} | {r['metric']} | {mine} | {peer} | {theirs} | {ratio} | "
+                     f"{target} | {met} |")
+    return "\n".join(lines)
+
+
 def corun_table(corun: list[dict]) -> str:
     if not corun:
         return "(no co-run yet)"
@@ -140,6 +216,9 @@ def markdown(result: dict) -> str:
     return (f"# GPU benchmark (issue 6)\n\n{result['date']}; machine: {m.get('gpu')}, {m.get('cpu')} "
             f"({m.get('cpu_threads')} threads), driver {m.get('driver')}, PCIe {m.get('pcie')}, torch "
             f"{m.get('torch')}.\n\n{notes}\n\n## Budgets\n\n{table(result['rows'])}\n\n"
+            f"## Ratios and targets\n\nSlipstream against the fastest llama.cpp row that fit (and, where the "
+            f"issue sets a target, llama.cpp-default and the bound); targets apply to {TARGET_AT[0]} at "
+            f"{TARGET_AT[1]}, other rows are reported.\n\n{ratio_table(result.get('ratios') or [])}\n\n"
             f"## Co-run (game stand-in on the same GPU)\n\n{corun_table(result['corun'])}\n\n"
             f"## Other GPU runs (issues 7 and 8; docs/benchmarks/README.md explains them)\n\n"
             f"{related_table(result.get('related') or [])}\n\n"
@@ -234,7 +313,8 @@ def merge(folders: list[Path], out: Path, dry_run: bool = False, say=print) -> i
                          f"{sc['vocab']['source']}.")
     if any(r.get("model") == "qwen3-30b-a3b" for r in rows):
         notes.append("qwen3-30b-a3b: 24 of its 48 layers (all runs alike).")
-    result = {"machine": machine, "date": now_iso(), "rows": rows, "corun": corun, "notes": notes,
+    result = {"machine": machine, "date": now_iso(), "rows": rows, "ratios": ratios(rows), "corun": corun,
+              "notes": notes,
               "related": related(out),
               "parts": {n: {k: p.get(k) for k in ("started", "updated")} | {"commands": p.get("meta", {})
                                                                               .get("commands")}

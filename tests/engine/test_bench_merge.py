@@ -79,3 +79,30 @@ def test_merge_writes_results_with_bound_rows_sorted_and_a_table(tmp_path, monke
     assert (res_dir / "results_decode.png").stat().st_size > 1000
     assert (res_dir / "corun_timeline.png").stat().st_size > 1000
     assert table([]).count("\n") == 1
+
+
+def test_ratios_compare_with_the_fastest_fitting_llamacpp_row_and_judge_the_targets():
+    from engine.bench.gpu_merge import ratio_table, ratios
+
+    rows = [_row("slipstream", "4GiB", 6.0, prefill4096_tps=9000.0, fits=True, budget_bytes=4 * GiB),
+            _row("llama.cpp-default", "4GiB", 7.0, prefill4096_tps=300.0, fits=False),   # did not fit
+            _row("llama.cpp-tuned", "4GiB", 5.0, prefill4096_tps=4000.0, fits=True),
+            _row("bound", "4GiB", 10.0, prefill4096_tps=20000.0),
+            _row("slipstream", "2GiB", 3.0, fits=False)]
+    got = {(r["budget"], r["metric"], r["against"]): r for r in ratios(rows)}
+    dec = got[("4GiB", "decode", "best llama.cpp")]
+    assert dec["peer_system"] == "llama.cpp-tuned" and dec["ratio"] == 6.0 / 5.0
+    assert dec["target"] == 1.5 and dec["met"] is False
+    pre = got[("4GiB", "prefill 4096", "best llama.cpp")]
+    assert pre["ratio"] == 9000.0 / 4000.0 and pre["met"] is True
+    default = got[("4GiB", "prefill 4096", "llama.cpp-default")]
+    assert default["peer"] is None and default["met"] is None          # the default row did not fit
+    bound = got[("4GiB", "decode", "bound")]
+    assert bound["ratio"] == 0.6 and bound["target"] == 0.75 and bound["met"] is False
+    assert got[("4GiB", "peak VRAM within the budget", "budget")]["met"] is True
+    small = got[("2GiB", "decode", "best llama.cpp")]
+    assert small["peer"] is None and small["target"] is None            # no llama.cpp row, no target there
+    assert got[("2GiB", "peak VRAM within the budget", "budget")]["met"] is False
+    md = ratio_table(ratios(rows))
+    assert "| llama3-8b | 4GiB | decode | 6.00 | best llama.cpp (llama.cpp-tuned) | 5.00 | 1.20x | at least 1.5x | **no** |" in md
+    assert "| llama3-8b | 2GiB | decode | 3.00 | best llama.cpp | not run | - | reported | - |" in md
