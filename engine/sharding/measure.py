@@ -17,6 +17,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -57,8 +58,6 @@ CACHE_ROTATIONS = 4          # a rotation spans this many last-level caches: a c
 
 def last_level_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache") -> int | None:
     """The largest CPU cache of this machine (Linux sysfs), or None where it cannot be read."""
-    from pathlib import Path
-
     best = None
     for f in Path(root).glob("index*/size"):
         try:
