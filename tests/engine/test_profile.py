@@ -116,6 +116,7 @@ def test_tiny_measure(tmp_path, monkeypatch):
     tiny = measure.Sizes(hidden=64, ffn=128, vocab=256, heads=2, head_dim=16, ctx=64, tokens=(1, 4, 16),
                          min_time_s=0.001, rotate_bytes=256 * 1024)
     monkeypatch.setattr(measure, "CPU_QUICK", tiny)
+    monkeypatch.setattr(measure, "last_level_cache_bytes", lambda: 32 * 1024)   # tiny sizes, a tiny cache
     seen = []
     data = profile_mod.measure_profile("cpu", quick=True, progress=lambda f, m: seen.append(f))
     assert data["gpu"] is None and data["link"] is None
