@@ -85,7 +85,8 @@ def compact_plan(report: dict) -> dict:
         for p in t["placement"].values():
             counts[p] = counts.get(p, 0) + 1
         tiers.append({"tokens": t["tokens"], "plan": t["plan"], "predicted_ms": t["predicted_ms"],
-                      "vram": t["vram"], "placements": counts, "by_kind": placements_by_kind(t["placement"])})
+                      "vram": t["vram"], "placements": counts, "by_kind": placements_by_kind(t["placement"]),
+                      "kv_layers": t.get("kv_layers")})
     return {"budget": report.get("budget"), "step_tokens": report.get("step_tokens"), "tiers": tiers,
             "in_use": report.get("in_use")}
 

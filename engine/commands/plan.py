@@ -64,7 +64,8 @@ def parse_tiers(text: str) -> tuple[int, ...]:
 
 def placement_map(plan: Plan) -> str:
     """'E:C | RC RS ... | H:R': embedding, then attention+FFN letters per layer, then the head. A MoE
-    layer shows attention, router, ':' and its expert groups ('RR:SCCC')."""
+    layer shows attention, router, ':' and its expert groups ('RR:SCCC'). K: attention streamed to the GPU
+    over its layer's KV cache kept in host memory."""
     pl = {k: str(v) for k, v in plan.placement.items()}
     n_layers = sum(1 for k in pl if k.endswith(".attn"))
     experts: dict[int, str] = {}
@@ -72,8 +73,8 @@ def placement_map(plan: Plan) -> str:
         if ".experts." in k:
             layer = int(k.split(".")[1])
             experts[layer] = experts.get(layer, ":") + LETTER[v]
-    layers = " ".join(LETTER[pl[f"layers.{i}.attn"]] + LETTER[pl[f"layers.{i}.ffn"]] + experts.get(i, "")
-                      for i in range(n_layers))
+    attn = ["K" if plan.host_kv_attention(i) else LETTER[pl[f"layers.{i}.attn"]] for i in range(n_layers)]
+    layers = " ".join(attn[i] + LETTER[pl[f"layers.{i}.ffn"]] + experts.get(i, "") for i in range(n_layers))
     return f"E:{LETTER[pl['embed']]} | {layers} | H:{LETTER[pl['head']]}"
 
 
@@ -92,8 +93,8 @@ def print_table(name: str, cfg, spec, planset: PlanSet, prof, kv_tokens: int, ou
             f"{format_bytes(x):>11}" for x in (v.weights, v.kv, v.slots, v.scratch, v.total)), file=out)
     print(f"longer inputs run fastest in steps of {planset.step_tokens} tokens", file=out)
     moe = " (MoE: attention, router:expert groups)" if cfg.is_moe else ""
-    print(f"placement (E embedding | attention+FFN per layer{moe} | H head; R resident, S streamed, C cpu):",
-          file=out)
+    print(f"placement (E embedding | attention+FFN per layer{moe} | H head; R resident, S streamed, C cpu, "
+          "K streamed over its KV in host memory):", file=out)
     for p in planset.plans:
         print(f"{p.tier:>5}  {placement_map(p)}", file=out)
 

@@ -18,6 +18,10 @@ experts touched: decode, short steps): there it copies the touched experts' byte
 its layer's router has run (`StepCosts.copy_gate`; the pipeline replay holds the copy back till then).
 Crossing sides inside a MoE layer moves the MoE state (hidden state, normed input, partial sum and the
 routing), not just the hidden state.
+
+An attention streamed to the GPU while its layer's KV cache stays in host memory (code HKV: small budgets,
+where the KV of every layer does not fit beside the slots) also copies that layer's keys and values for
+the step's context in, and the step's new ones out, on the copy engine.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.sharding.memory import sublayer_bytes
-from engine.sharding.pipeline import CPU, RES, STR, Pipeline
+from engine.sharding.pipeline import CPU, HKV, RES, STR, Pipeline
 from engine.sharding.plan import Placement
 from engine.sharding.profile import ProfileDatabase
 from engine.sharding.spec import DTYPE_BYTES, ModelSpec, routed_streaming
 
-__all__ = ["CPU", "RES", "STR", "Estimator", "StepCosts", "step_costs"]
+__all__ = ["CPU", "HKV", "RES", "STR", "Estimator", "StepCosts", "step_costs"]
 CODE = {Placement.CPU: CPU, Placement.RESIDENT: RES, Placement.STREAMED: STR}
 OPS = {"embed": 1, "attn": 14, "ffn": 7, "head": 3, "router": 9, "experts": 1}   # kernels per sub-layer
 OPS_PER_EXPERT = 7     # kernels per touched expert (gather, gate/up, silu, mul, down, scale, index_add)
@@ -56,6 +60,10 @@ class StepCosts:
     copy_alone_ms: np.ndarray | None = None
     copy_busy_ms: np.ndarray | None = None
     copy_gate: np.ndarray | None = None
+    # A streamed attention over a host-resident KV cache (code HKV): copying the layer's keys and values
+    # for the step's context in and the new ones out, alone and beside CPU work, per sub-layer [S]
+    kv_copy_alone_ms: np.ndarray | None = None
+    kv_copy_busy_ms: np.ndarray | None = None
 
 
 def dtype_name(spec: ModelSpec) -> str:
@@ -111,8 +119,12 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
         to_gpu[is_exp] = prof.move_ms(state_bytes, True)
         extra = np.where(is_exp, prof.move_ms(state_bytes, False) - move_to_cpu, 0.0)
     routed = routed_copies(spec, prof, n) if routed_streaming(cfg, n) else (None, None, None)
+    kv_bytes = np.array([(ctx + n) * s.kv_bytes_per_token if s.kind == "attn" else 0 for s in spec.sublayers],
+                        dtype=float)
+    kv_alone = np.array([prof.copy_ms(b) if b else 0.0 for b in kv_bytes])
+    kv_busy = np.array([prof.copy_ms(b, busy=True) if b else 0.0 for b in kv_bytes])
     return StepCosts(ms["gpu"], ms["cpu"], to_gpu, to_cpu, prof.move_ms(rows * cfg.vocab_size * 4, False),
-                     prof.op_ms("gpu", 2), extra, *routed)
+                     prof.op_ms("gpu", 2), extra, *routed, kv_alone, kv_busy)
 
 
 def routed_copies(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int):
@@ -156,8 +168,15 @@ class Estimator:
             self._costs[key] = step_costs(self.spec, self.prof, key[0], key[1], self.head_rows)
         return self._costs[key]
 
-    def encode(self, placement: dict[str, Placement]) -> np.ndarray:
-        return np.array([CODE[Placement(placement[n])] for n in self.names], dtype=np.int8)
+    def encode(self, placement: dict[str, Placement], kv_layers: int | None = None) -> np.ndarray:
+        """Placement codes; with `kv_layers`, a GPU attention of a layer past them is HKV (its KV cache
+        stays in host memory)."""
+        codes = np.array([CODE[Placement(placement[n])] for n in self.names], dtype=np.int8)
+        if kv_layers is not None:
+            for i, s in enumerate(self.spec.sublayers):
+                if s.kind == "attn" and s.layer >= kv_layers and codes[i] != CPU:
+                    codes[i] = HKV
+        return codes
 
     def pipeline(self, place: np.ndarray, n_slots: int) -> Pipeline:
         """The schedule structure of many placements ([B, S] codes), to run under several step costs."""
@@ -168,6 +187,6 @@ class Estimator:
         return self.pipeline(place, n_slots).run(self.costs(n_tokens, ctx_len), self.rho)
 
     def estimate(self, placement: dict[str, Placement], n_tokens: int, ctx_len: int,
-                 n_slots: int = 2) -> float:
+                 n_slots: int = 2, kv_layers: int | None = None) -> float:
         """Predicted milliseconds of one steady-state step of `n_tokens` new tokens over `ctx_len` context."""
-        return float(self.simulate(self.encode(placement)[None, :], n_tokens, ctx_len, n_slots)[0])
+        return float(self.simulate(self.encode(placement, kv_layers)[None, :], n_tokens, ctx_len, n_slots)[0])

@@ -148,7 +148,7 @@ class Executor:
         slot_bytes = max((store.nbytes(n) for n in streamed), default=0)
         n_slots = min(plan.n_slots, len(streamed)) if streamed else 0
         resident = set(plan.resident())
-        attn_gpu = [plan.placement[f"layers.{i}.attn"] is not Placement.CPU for i in range(self.cfg.num_layers)]
+        kv_gpu = [plan.kv_on_gpu(i) for i in range(self.cfg.num_layers)]
         # 1. Release: scratch, slots that change, weights leaving, KV leaving the GPU.
         accel.unbook(self.scratch_booked, "scratch")
         self.scratch_booked = 0
@@ -157,13 +157,13 @@ class Executor:
             store.drop_slots()
         for name in [n for n in store.resident if n not in resident]:
             store.evict(name)
-        for i, on_gpu in enumerate(attn_gpu):
+        for i, on_gpu in enumerate(kv_gpu):
             if not on_gpu:
                 self.kv.place_layer(i, False)
         # 2. Admit: KV arriving on the GPU, slots, weights, scratch.
         if kv_blocks is not None and kv_blocks > self.kv.n_blocks:
             self.kv._grow(kv_blocks)
-        for i, on_gpu in enumerate(attn_gpu):
+        for i, on_gpu in enumerate(kv_gpu):
             if on_gpu:
                 self.kv.place_layer(i, True)
         if n_slots and not store.slots:
@@ -466,20 +466,29 @@ class Executor:
                           for i in range(0, x.shape[0], HEAD_ROWS)])
 
     def _attention(self, layer, w, x, segs: list[_Segment], decode: _DecodeGroup | None, cos_sin, dev):
-        want_gpu = self.plan.placement[f"layers.{layer}.attn"] is not Placement.CPU
+        want_gpu = self.plan.kv_on_gpu(layer)
         if self.kv.pools[layer].on_gpu != want_gpu:
             self.kv.place_layer(layer, want_gpu)
         gqa = self.cfg.num_kv_heads != self.cfg.num_heads
+        # A GPU attention over a host-resident KV cache: the new keys and values go out to the host pool,
+        # the step's cached ones come in (into the scratch the plan books for one layer's KV).
+        host_kv = self.plan.host_kv_attention(layer)
+        kv_in = (lambda t: self._move(t, True)) if host_kv else (lambda t: t)
+        if host_kv:        # one sequence's KV at a time in VRAM (the plan books one layer's capacity)
+            decode = None
 
         def attend(q, k, v):
+            if host_kv:
+                k, v = self._move(k, False), self._move(v, False)
             self.kv.write_many(layer, [(s.seq, s.start, s.n) for s in segs], k, v)
             if len(segs) == 1:
                 s = segs[0]
                 keys, values = self.kv.read(layer, s.seq, s.start + s.n)
-                return dense._attend(q, keys, values, s.masks[dev], gqa)
+                return dense._attend(q, kv_in(keys), kv_in(values), s.masks[dev], gqa)
             out = torch.empty_like(q)
             if decode is not None:    # the decode tokens: one padded attention over their caches
                 keys, values, valid = self.kv.read_padded(layer, [(s.seq, s.start + 1) for s in decode.segs])
+                keys, values, valid = kv_in(keys), kv_in(values), kv_in(valid)
                 rows = decode.rows[dev]
                 qd = q.index_select(1, rows).transpose(0, 1).unsqueeze(2)       # [B, heads, 1, head_dim]
                 od = _attend_padded(qd, keys, values, valid, gqa)
@@ -487,8 +496,8 @@ class Executor:
             for s in segs:
                 if decode is None or s not in decode.segs:
                     keys, values = self.kv.read(layer, s.seq, s.start + s.n)
-                    out[:, s.row:s.row + s.n] = dense._attend(q[:, s.row:s.row + s.n], keys, values,
-                                                              s.masks[dev], gqa)
+                    out[:, s.row:s.row + s.n] = dense._attend(q[:, s.row:s.row + s.n], kv_in(keys),
+                                                              kv_in(values), s.masks[dev], gqa)
             return out
 
         return dense.attention_block(self.cfg, w, x, cos_sin[0], cos_sin[1], None, None, None, attend=attend)

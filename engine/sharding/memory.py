@@ -86,13 +86,26 @@ def gpu_attention_layers(spec: ModelSpec, placement: dict[str, Placement]) -> in
     return sum(1 for s in spec.sublayers if s.kind == "attn" and placement[s.name] is not Placement.CPU)
 
 
+def host_kv_attention_layers(spec: ModelSpec, placement: dict[str, Placement], kv_layers: int | None) -> int:
+    """How many layers run attention on the GPU over a KV cache kept in host memory (layers from
+    `kv_layers` on; None: none, each layer's KV lives where its attention runs)."""
+    if kv_layers is None:
+        return 0
+    return sum(1 for s in spec.sublayers if s.kind == "attn" and s.layer >= kv_layers
+               and placement[s.name] is not Placement.CPU)
+
+
 def vram_breakdown(spec: ModelSpec, placement: dict[str, Placement], tier: int, kv_tokens: int,
-                   n_slots: int) -> VramBreakdown:
-    """The VRAM a placement needs for steps of `tier` tokens with a KV capacity of `kv_tokens`."""
+                   n_slots: int, kv_layers: int | None = None) -> VramBreakdown:
+    """The VRAM a placement needs for steps of `tier` tokens with a KV capacity of `kv_tokens`. With
+    `kv_layers`, only the first kv_layers layers hold their KV in VRAM; a GPU attention past them copies
+    its layer's KV into scratch for the step (one layer's worth)."""
     sizes = sublayer_bytes(spec)
     on_gpu = any(p is not Placement.CPU for p in placement.values())
+    n_kv = gpu_attention_layers(spec, placement) if kv_layers is None else kv_layers
+    host_kv = host_kv_attention_layers(spec, placement, kv_layers) > 0
     return VramBreakdown(
         weights=sum(sizes[n] for n, p in placement.items() if p is Placement.RESIDENT),
-        kv=kv_cache_bytes(spec, kv_tokens, gpu_attention_layers(spec, placement)),
+        kv=kv_cache_bytes(spec, kv_tokens, n_kv),
         slots=slot_bytes(spec, placement, n_slots),
-        scratch=scratch_bytes(spec, tier) if on_gpu else 0)
+        scratch=(scratch_bytes(spec, tier) + host_kv * kv_cache_bytes(spec, kv_tokens, 1)) if on_gpu else 0)

@@ -14,6 +14,8 @@ The model:
   they form one busy interval from its start), and copies run at the "copy beside CPU work" bandwidth in
   plans that mix streamed and CPU sub-layers;
 - the step ends with the output (logits) back on the host;
+- a streamed attention whose layer keeps its KV cache in host memory (code HKV) copies that KV in with its
+  weights and its new keys and values back out (`StepCosts.kv_copy_alone_ms` / `kv_copy_busy_ms`);
 - in steps with routed expert streaming (`StepCosts.copy_gate`), the copy of a streamed expert group
   cannot start before its layer's router has computed in the same step (the executor learns which
   experts to copy from it), and costs only the routed experts' bytes (`StepCosts.copy_alone_ms` /
@@ -29,11 +31,12 @@ import numpy as np
 if TYPE_CHECKING:
     from engine.sharding.estimator import StepCosts
 
-CPU, RES, STR = 0, 1, 2     # placement codes of a row
+CPU, RES, STR, HKV = 0, 1, 2, 3   # placement codes of a row; HKV: a streamed attention whose layer keeps
+                                  # its KV cache in host memory (its copy also brings that KV in)
 
 
 class Pipeline:
-    """The schedule structure of B placements ([B, S] codes CPU/RES/STR); `run(costs, rho)` replays it.
+    """The schedule structure of B placements ([B, S] codes CPU/RES/STR/HKV); `run(costs, rho)` replays it.
 
     `compute_mask` marks sub-layers whose CPU placement is real compute (not the embedding gather);
     `copy_alone` / `copy_busy` are each sub-layer's copy time alone and beside CPU work. Arrays run
@@ -45,7 +48,7 @@ class Pipeline:
         self.S, self.B = S, B = pt.shape
         self.n_slots = max(int(n_slots), 1)
         self.on_gpu = on_gpu = pt != CPU
-        is_str = pt == STR
+        is_str = (pt == STR) | (pt == HKV)
         self.n_str = n_str = is_str.sum(0)
         self.ordn = ordn = np.cumsum(is_str, 0, dtype=np.int64) - 1
         self.smax = smax = max(int(n_str.max()) if B else 0, 1)
@@ -54,6 +57,8 @@ class Pipeline:
         sidx[ordn[r, c], c] = r
         self.mixed = is_str.any(0) & ((pt == CPU) & compute_mask[:, None]).any(0)
         self.sidx = sidx                                                      # [smax, B] sub-layer
+        # [smax, B]: the row's g-th streamed sub-layer brings its layer's KV along (padding: False)
+        self.hkv = (pt == HKV)[sidx, np.arange(B)[None, :]] & (np.arange(smax)[:, None] < n_str[None, :])
         self.ctab = self._ctab(copy_alone, copy_busy)
         self.cycles = n_str > self.n_slots
         self.n_copies = np.where(self.cycles, 2 * n_str + self.n_slots, n_str)
@@ -72,6 +77,8 @@ class Pipeline:
         on_gpu, n_str, ordn, ctab, cycles = self.on_gpu, self.n_str, self.ordn, self.ctab, self.cycles
         if costs.copy_alone_ms is not None:
             ctab = self._ctab(costs.copy_alone_ms, costs.copy_busy_ms)
+        if costs.kv_copy_alone_ms is not None and self.hkv.any():
+            ctab = ctab + np.where(self.hkv.reshape(-1), self._ctab(costs.kv_copy_alone_ms, costs.kv_copy_busy_ms), 0.0)
         gate = costs.copy_gate
         if gate is not None:
             # Per row's streamed no.: the router it waits for (-1: none); its end time per step.

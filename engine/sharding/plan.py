@@ -48,6 +48,20 @@ class Plan:
     predicted_ms: float = float("nan")
     vram: VramBreakdown = field(default_factory=VramBreakdown)
     kv_tokens: int = 0                # KV capacity (tokens) on the GPU this plan assumes
+    # The first kv_layers layers keep their KV cache on the GPU, the others in host memory; an attention of
+    # a later layer placed on the GPU (streamed) copies its layer's KV in for the step and its new keys
+    # and values back out. None: each layer's KV lives where its attention runs.
+    kv_layers: int | None = None
+
+    def kv_on_gpu(self, layer: int) -> bool:
+        """Whether layer `layer`'s KV cache lives in VRAM under this plan."""
+        if self.kv_layers is not None:
+            return layer < self.kv_layers
+        return self.placement[f"layers.{layer}.attn"] is not Placement.CPU
+
+    def host_kv_attention(self, layer: int) -> bool:
+        """Attention on the GPU over a KV cache kept in host memory."""
+        return self.placement[f"layers.{layer}.attn"] is not Placement.CPU and not self.kv_on_gpu(layer)
 
     def resident(self) -> list[str]:
         return [n for n, p in self.placement.items() if p is Placement.RESIDENT]
@@ -59,9 +73,12 @@ class Plan:
         return self.placement[name] is not Placement.CPU
 
     def report(self) -> dict:
-        return {"tokens": self.tier, "plan": self.kind, "predicted_ms": self.predicted_ms,
-                "vram": self.vram.as_dict(), "placement": {k: str(v) for k, v in self.placement.items()},
-                "n_slots": self.n_slots}
+        rep = {"tokens": self.tier, "plan": self.kind, "predicted_ms": self.predicted_ms,
+               "vram": self.vram.as_dict(), "placement": {k: str(v) for k, v in self.placement.items()},
+               "n_slots": self.n_slots}
+        if self.kv_layers is not None:
+            rep["kv_layers"] = self.kv_layers
+        return rep
 
 
 @dataclass(slots=True)

@@ -1,13 +1,17 @@
 """The planner: for a VRAM budget, one plan per token tier, chosen by the estimator from a fixed family.
 
 The family (`Family`) is every placement described by four numbers, independent of the budget:
-- k, how many layers run attention on the GPU (the first k; their KV cache lives there);
+- k, how many layers keep their KV cache in VRAM (the first k; their attention runs on the GPU);
 - r, how long a prefix of the priority order is resident. The order is: GPU attention (layer order), then
   the FFNs front to back (so whole layers become resident);
 - m, how many of the non-resident FFNs stream into slots (spread evenly, so each copy overlaps the CPU
   work between two streamed FFNs); the other FFNs run on the CPU;
 - the output head: resident, streamed or on the CPU (a separate choice: it is as large as several FFNs,
-  so "head before FFNs" and "FFNs before head" are both in the family).
+  so "head before FFNs" and "FFNs before head" are both in the family);
+- for k up to a quarter of the layers of a dense model: whether the attention of the layers past k runs on the CPU or
+  streams to the GPU over its KV cache, which stays in host memory either way (each such step copies that
+  layer's KV in and its new keys and values out: dear for decode, cheap beside a long prompt's compute,
+  so prefill tiers of small budgets, where the KV of every layer does not fit, take it).
 GPU attention that is not resident streams. The embedding (a gather of a few rows) stays in host memory,
 except in forced gpu_only plans, which put every sub-layer on the GPU. Kinds, by placement (the embedding
 gather does not count as CPU compute): `gpu_only` computes nothing on the CPU (non-resident sub-layers
@@ -25,7 +29,7 @@ model's.
 Each member's VRAM (`engine.sharding.memory`) and predicted time per tier (`engine.sharding.estimator`)
 are computed once per KV capacity (about a second for an 8B model); a plan is then a lookup of the
 fastest member under the budget, per tier (about a millisecond). All tiers of a PlanSet share k (the KV
-cache lives where attention runs, so attention never changes sides between tiers) and whether the head
+cache of the first k layers lives in VRAM, the others' in host memory, so no KV moves between tiers) and whether the head
 is resident: the pair whose plans minimise `score`, the predicted time of a reference workload (decode
 steps and one input per tier). Resident sets of the tiers are then nested (prefixes of one order, and
 the same head), so switching tiers only adds or drops a tail.
@@ -41,14 +45,14 @@ import math
 import numpy as np
 
 from engine.errors import BadInputError, BudgetError
-from engine.sharding.estimator import CPU, RES, STR, Estimator
+from engine.sharding.estimator import CPU, HKV, RES, STR, Estimator
 from engine.sharding.memory import kv_cache_bytes, scratch_bytes, sublayer_bytes, vram_breakdown
 from engine.sharding.plan import DEFAULT_TIERS, PLAN_KINDS, Placement, Plan, PlanSet
 from engine.sharding.profile import ProfileDatabase
 from engine.sharding.spec import ModelSpec
 from engine.units import format_bytes, parse_bytes
 
-_PLACEMENT = {CPU: Placement.CPU, RES: Placement.RESIDENT, STR: Placement.STREAMED}
+_PLACEMENT = {CPU: Placement.CPU, RES: Placement.RESIDENT, STR: Placement.STREAMED, HKV: Placement.STREAMED}
 REFERENCE_DECODE = 256   # decode steps in the reference workload that `score` prices
 _M_STEPS = (0, 1, 2, 3, 4, 6, 8, 11, 16, 22, 32, 45, 64, 90, 128)   # streamed FFN counts tried
 _UNIT_LADDER = 0.15     # MoE: relative step of the resident prefix lengths tried
@@ -103,6 +107,11 @@ class Family:
                 base[order[:r]] = RES
                 rows = self._ffn_patterns(base, [f for f in ffn if base[f] != RES],
                                           _M_STEPS_MOE if cfg.is_moe else _M_STEPS)
+                if k <= L // 4 and not cfg.is_moe:   # small budgets (few layers' KV in VRAM): the same with
+                    # the later layers' attention streamed over their host-resident KV (a few k: planning time)
+                    hkv = rows.copy()
+                    hkv[:, attn[k:]] = HKV
+                    rows = np.concatenate([rows, hkv])
                 for head_at, head_rows in ((CPU, rows), (RES, rows), (STR, rows)):
                     head_rows = head_rows.copy()
                     head_rows[:, head] = head_at
@@ -121,14 +130,16 @@ class Family:
         self.group = self.k * 2 + (self.place[:, head] == RES)
         embed_res = np.arange(len(self.place)) >= len(place)
         n_cpu = ((self.place == CPU) & compute).sum(1)
-        self.n_str = n_str = (self.place == STR).sum(1)
+        streams = (self.place == STR) | (self.place == HKV)
+        self.n_str = n_str = streams.sum(1)
+        self.hkv = (self.place == HKV).any(1)
         self.masks = {"auto": ~embed_res, "gpu_only": embed_res, "static": ~embed_res & (n_str == 0),
                       "dynamic": ~embed_res & (n_str > 0) & (n_cpu > 0)}
         self.label = np.where(n_cpu == 0, "gpu_only", np.where(n_str == 0, "static", "dynamic"))
         sizes = sublayer_bytes(spec)
         nb = np.array([sizes[s.name] for s in subs], dtype=np.int64)
         self.weights = ((self.place == RES) * nb).sum(1)
-        self.slots = np.minimum(n_slots, n_str) * np.where(self.place == STR, nb, 0).max(1)
+        self.slots = np.minimum(n_slots, n_str) * np.where(streams, nb, 0).max(1)
         self.any_gpu = (self.place != CPU).any(1)
 
     @staticmethod
@@ -227,7 +238,7 @@ class Planner:
     # ---- the estimator -------------------------------------------------------------------------
     def estimate(self, plan: Plan, n_tokens: int, ctx_len: int) -> float:
         """Predicted milliseconds of one steady-state step of `n_tokens` over `ctx_len` under `plan`."""
-        return self.estimator.estimate(plan.placement, n_tokens, ctx_len, plan.n_slots)
+        return self.estimator.estimate(plan.placement, n_tokens, ctx_len, plan.n_slots, plan.kv_layers)
 
     # ---- member tables -------------------------------------------------------------------------
     def _table(self, kv_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -236,7 +247,7 @@ class Planner:
             fam = self.family
             kv_layer = kv_cache_bytes(self.spec, kv_tokens, 1)
             scratch = np.array([scratch_bytes(self.spec, t) for t in self.tiers], dtype=np.int64)
-            fixed = fam.weights + fam.slots + fam.k * kv_layer
+            fixed = fam.weights + fam.slots + fam.k * kv_layer + fam.hkv * kv_layer   # (one layer's KV copy)
             vram = fixed[:, None] + fam.any_gpu[:, None] * scratch[None, :]
             est = self.estimator
             costs = [est.costs(t, planning_context(t, kv_tokens)) for t in self.tiers]
@@ -318,9 +329,10 @@ class Planner:
         label = str(self.family.label[member])
         if kind != "auto" and self.family.masks[kind][member]:
             label = kind
-        vram = vram_breakdown(self.spec, placement, tier, kv_tokens, self.n_slots)
+        kv_layers = int(self.family.k[member])
+        vram = vram_breakdown(self.spec, placement, tier, kv_tokens, self.n_slots, kv_layers)
         assert vram.total <= budget, (vram.total, budget)
-        return Plan(tier, label, placement, self.n_slots, ms, vram, kv_tokens)
+        return Plan(tier, label, placement, self.n_slots, ms, vram, kv_tokens, kv_layers)
 
     def _all_cpu(self, budget: int, kv_tokens: int, kind: str, strict: bool) -> PlanSet:
         if strict and kind not in ("auto", "static"):

@@ -72,5 +72,12 @@ def is_kind(plan: Plan, kind: str) -> bool:
     return bool(streamed) and bool(cpu)
 
 
-def attention_sides(plan: Plan) -> dict[str, bool]:
-    return {n: p is not Placement.CPU for n, p in plan.placement.items() if n.endswith(".attn")}
+def kv_sides(plan: Plan) -> dict[str, bool]:
+    """Per layer: whether its KV cache lives in VRAM under `plan` (a layer whose KV is there runs its
+    attention on the GPU)."""
+    out = {}
+    for n, p in plan.placement.items():
+        if n.endswith(".attn"):
+            out[n] = plan.kv_on_gpu(int(n.split(".")[1]))
+            assert p is not Placement.CPU or not out[n], (n, p)
+    return out

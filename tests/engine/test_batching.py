@@ -384,3 +384,38 @@ def test_a_failing_step_fails_its_requests_and_the_batch_goes_on(tiny_model):
         "".join(t for _, t, _ in alone(path, PROMPTS[2], max_new_tokens=10))
     assert_nothing_held(eng)
     eng.close()
+
+
+def test_batch_over_host_resident_kv_matches_alone(tiny_model):
+    """Attention streamed to the (simulated) GPU while every layer's KV cache stays in host memory, as
+    small budgets plan their prefill tiers: batched decodes and prefill chunks keep their solo tokens."""
+    from engine.sharding.plan import Placement, Plan, PlanSet
+
+    path = tiny_model("llama")
+    eng = open_batched(path, "sim", None)
+    ffn_sides = [Placement.CPU, Placement.STREAMED, Placement.RESIDENT]
+
+    def host_kv(budget):
+        plans = []
+        for j, t in enumerate(eng.tiers):
+            placement = {s.name: Placement.CPU for s in eng.spec.sublayers}
+            for s in eng.spec.sublayers:
+                if s.kind == "attn" and (j + s.layer) % 2 == 0:
+                    placement[s.name] = Placement.STREAMED
+                elif s.kind == "ffn":
+                    placement[s.name] = ffn_sides[(j + s.layer) % 3]
+            plans.append(Plan(t, "manual", placement, 2, kv_layers=0))
+        return PlanSet(budget, plans)
+
+    eng._make_planset = host_kv
+    eng.set_vram_budget(eng.budget)
+    handles = [eng.submit(p, max_new_tokens=16, background=False) for p in PROMPTS[:2]]
+    for _ in range(3):
+        assert eng.step_batch()
+    handles += [eng.submit(p, max_new_tokens=12, background=False) for p in PROMPTS[2:]]
+    drain(eng)
+    for i, (p, h) in enumerate(zip(PROMPTS, handles)):
+        assert events(h) == alone(path, p, max_new_tokens=16 if i < 2 else 12), p
+    assert not any(pool.on_gpu for pool in eng.executor.kv.pools)
+    assert_nothing_held(eng)
+    eng.close()

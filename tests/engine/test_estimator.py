@@ -117,3 +117,18 @@ def test_batch_and_single_estimates_agree(llama):
     rows = [{s.name: rng.choice([R, S, C]) for s in spec.sublayers} for _ in range(20)]
     batch = est.simulate(np.stack([est.encode(r) for r in rows]), 64, 1024, 2)
     assert batch == pytest.approx([est.estimate(r, 64, 1024) for r in rows])
+
+
+def test_attention_over_host_kv_also_copies_the_kv(llama):
+    """All streamed: with every layer's KV in host memory (kv_layers=0) the copy engine also brings each
+    layer's keys and values for the step's context in and the new ones out, so the step, bound by the
+    copies, costs that much more, and more at a longer context."""
+    spec, est = llama
+    pl = placement(spec, lambda s: R if s.kind == "embed" else S)
+    per_token = next(s.kv_bytes_per_token for s in spec.sublayers if s.kind == "attn")
+    for n, ctx in ((1, 512), (1, 4096), (64, 4096)):
+        extra = est.estimate(pl, n, ctx, kv_layers=0) - est.estimate(pl, n, ctx)
+        kv_ms = spec.config.num_layers * SIM.copy_ms((ctx + n) * per_token)
+        assert extra == pytest.approx(kv_ms, rel=0.05)
+    assert est.encode(pl, kv_layers=4)[[i for i, s in enumerate(spec.sublayers) if s.kind == "attn"]].tolist() \
+        == [2] * 4 + [3] * (spec.config.num_layers - 4)

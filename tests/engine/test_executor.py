@@ -112,3 +112,51 @@ def test_kv_follows_attention(tiny_model):
     assert eng.accel.total_used == 0
     with torch.no_grad():
         assert eng.score(list(range(40))).shape == (40, eng.config.vocab_size)
+
+
+def host_kv_planset(eng, rng: random.Random, n_slots: int) -> PlanSet:
+    """Random placements where the first kv_layers layers keep their KV in VRAM (attention on the GPU)
+    and later layers' attention runs on the CPU or streams to the GPU over their host-resident KV."""
+    names = [s.name for s in eng.spec.sublayers]
+    n_layers = eng.spec.config.num_layers
+    plans = []
+    kv_layers = rng.randrange(n_layers)            # at least one layer's KV stays in host memory
+    for t in eng.tiers:
+        placement = {n: rng.choice(list(Placement)) for n in names}
+        for i in range(n_layers):
+            if i < kv_layers and placement[f"layers.{i}.attn"] is Placement.CPU:
+                placement[f"layers.{i}.attn"] = Placement.STREAMED
+            if i >= kv_layers:                      # some of the host-KV layers attend on the GPU
+                placement[f"layers.{i}.attn"] = rng.choice([Placement.CPU, Placement.STREAMED])
+        plans.append(Plan(t, "manual", placement, n_slots, kv_layers=kv_layers))
+    return PlanSet(eng.budget, plans)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_attention_over_host_kv_matches_cpu(tiny_model, reference_logits, arch, seed):
+    """A GPU attention whose layer's KV cache stays in host memory computes what the CPU does, every
+    tier may place those attentions differently, and the host-resident pools never count as VRAM."""
+    eng = engine.open_model(tiny_model(arch), device=DEVICE, backend="torch", vram_budget="1GiB")
+    rng = random.Random(100 + seed)
+    ps = host_kv_planset(eng, rng, n_slots=1 + seed % 3)
+    force_planset(eng, ps)
+    got = eng.score(list(range(5, 70)))
+    ref = reference_logits[arch]
+    assert ((got - ref).abs().max() / ref.abs().max()).item() < TOL
+    kv_layers = ps.plans[0].kv_layers
+    assert [p.on_gpu for p in eng.executor.kv.pools] == [i < kv_layers for i in range(eng.spec.config.num_layers)]
+    assert eng.accel.total_used <= eng.budget
+    eng.close()
+    assert eng.accel.total_used == 0
+
+
+def test_generation_over_host_kv_keeps_tokens(tiny_model):
+    path = tiny_model("llama3")
+    cpu = engine.open_model(path, device="cpu", backend="torch")
+    want = [e.token_id for e in cpu.generate("the quick brown fox", max_new_tokens=24)]
+    eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB")
+    force_planset(eng, host_kv_planset(eng, random.Random(5), 2))
+    got = [e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=24)]
+    assert got == want
+    eng.close()

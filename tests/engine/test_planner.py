@@ -15,7 +15,7 @@ from engine.sharding.plan import PLAN_KINDS, Placement, Plan, PlanSet
 from engine.sharding.planner import Planner, planning_context, planset_score, score
 from engine.sharding.profile import ProfileDatabase
 from engine.sharding.spec import ModelSpec
-from tests.engine.planner_cases import attention_sides, is_kind, model_configs
+from tests.engine.planner_cases import is_kind, kv_sides, model_configs
 
 SIM = ProfileDatabase.sim()
 TIERS = (1, 4, 16, 64, 256, 1024)
@@ -41,13 +41,14 @@ def check_planset(planner: Planner, ps: PlanSet, budget: int, kv_tokens: int, ki
     spec = planner.spec
     names = [s.name for s in spec.sublayers]
     assert [p.tier for p in ps.plans] == list(planner.tiers)
-    sides = attention_sides(ps.plans[0])
+    sides = kv_sides(ps.plans[0])
     for p in ps.plans:
         assert list(p.placement) == names                    # every sub-layer placed, in order
         assert all(isinstance(v, Placement) for v in p.placement.values())
         assert p.vram.total <= budget
-        assert p.vram.as_dict() == vram_breakdown(spec, p.placement, p.tier, kv_tokens, p.n_slots).as_dict()
-        assert attention_sides(p) == sides                  # the KV cache lives where attention runs
+        assert p.vram.as_dict() == vram_breakdown(spec, p.placement, p.tier, kv_tokens, p.n_slots,
+                                                  p.kv_layers).as_dict()
+        assert kv_sides(p) == sides                         # no KV cache changes sides between tiers
         assert p.kind in PLAN_KINDS and is_kind(p, p.kind)
         assert math.isfinite(p.predicted_ms) and p.predicted_ms > 0
         again = planner.estimate(p, p.tier, planning_context(p.tier, kv_tokens))
@@ -182,3 +183,27 @@ def test_token_tiers_up_to_a_batch_limit():
     assert token_tiers(1) == (1,)
     assert token_tiers(4096) == (1, 4, 16, 64, 256, 1024, 4096)
     assert token_tiers(2000) == (1, 4, 16, 64, 256, 1024, 2000)
+
+
+def test_small_budget_prefill_attends_on_the_gpu_over_host_resident_kv():
+    """Where no layer's KV fits beside the slots (Llama-3-8B shape, 1.1 GiB), prefill tiers stream the
+    attention to the GPU and bring each layer's KV in for the step; decode keeps attention on the CPU.
+    The plan books one layer's KV beside the scratch, and predicts less than the same plan with those
+    attentions on the CPU."""
+    from engine.bench.shapes import get_shape
+    from engine.sharding.memory import kv_cache_bytes, scratch_bytes
+
+    spec = ModelSpec.from_config(get_shape("llama3-8b"))
+    planner = Planner(spec, SIM)
+    ps = planner.plan(1100 << 20, kv_tokens=4096)
+    layers = range(spec.config.num_layers)
+    assert {p.kv_layers for p in ps.plans} == {0}
+    decode, prefill = ps.for_tokens(1), ps.for_tokens(1024)
+    assert not any(decode.host_kv_attention(i) for i in layers)
+    assert all(prefill.host_kv_attention(i) for i in layers)
+    assert prefill.vram.scratch == scratch_bytes(spec, prefill.tier) + kv_cache_bytes(spec, 4096, 1)
+    on_cpu = dict(prefill.placement)
+    on_cpu.update({f"layers.{i}.attn": Placement.CPU for i in layers})
+    cpu_ms = planner.estimator.estimate(on_cpu, prefill.tier, planning_context(prefill.tier, 4096),
+                                        prefill.n_slots, 0)
+    assert prefill.predicted_ms < cpu_ms

@@ -28,8 +28,9 @@ def test_plan_json_matches_the_plan_report_schema(capsys):
         assert all(isinstance(x, int) for x in v.values())
         assert v["total"] == v["weights"] + v["kv"] + v["slots"] + v["scratch"] <= rep["budget"]
         assert list(tier["placement"]) == names and set(tier["placement"].values()) <= PLACEMENTS
-        attn = {k: p != "cpu" for k, p in tier["placement"].items() if k.endswith(".attn")}
-        assert attn == {k: p != "cpu" for k, p in rep["tiers"][0]["placement"].items() if k.endswith(".attn")}
+        # the first kv_layers layers keep their KV in VRAM in every tier, and run attention on the GPU
+        assert tier["kv_layers"] == rep["tiers"][0]["kv_layers"]
+        assert all(tier["placement"][f"layers.{i}.attn"] != "cpu" for i in range(tier["kv_layers"]))
 
 
 def test_plan_table(capsys):
