@@ -488,7 +488,6 @@ class Executor:
             out = torch.empty_like(q)
             if decode is not None:    # the decode tokens: one padded attention over their caches
                 keys, values, valid = self.kv.read_padded(layer, [(s.seq, s.start + 1) for s in decode.segs])
-                keys, values, valid = kv_in(keys), kv_in(values), kv_in(valid)
                 rows = decode.rows[dev]
                 qd = q.index_select(1, rows).transpose(0, 1).unsqueeze(2)       # [B, heads, 1, head_dim]
                 od = _attend_padded(qd, keys, values, valid, gqa)
