@@ -86,13 +86,11 @@ def gpu_attention_layers(spec: ModelSpec, placement: dict[str, Placement]) -> in
     return sum(1 for s in spec.sublayers if s.kind == "attn" and placement[s.name] is not Placement.CPU)
 
 
-def host_kv_attention_layers(spec: ModelSpec, placement: dict[str, Placement], kv_layers: int | None) -> int:
-    """How many layers run attention on the GPU over a KV cache kept in host memory (layers from
-    `kv_layers` on; None: none, each layer's KV lives where its attention runs)."""
-    if kv_layers is None:
-        return 0
-    return sum(1 for s in spec.sublayers if s.kind == "attn" and s.layer >= kv_layers
-               and placement[s.name] is not Placement.CPU)
+def any_host_kv_attention(spec: ModelSpec, placement: dict[str, Placement], kv_layers: int | None) -> bool:
+    """Whether a layer runs attention on the GPU over a KV cache kept in host memory (layers from
+    `kv_layers` on; None: never, each layer's KV lives where its attention runs)."""
+    return kv_layers is not None and any(s.kind == "attn" and s.layer >= kv_layers
+                                         and placement[s.name] is not Placement.CPU for s in spec.sublayers)
 
 
 def vram_breakdown(spec: ModelSpec, placement: dict[str, Placement], tier: int, kv_tokens: int,
@@ -103,7 +101,7 @@ def vram_breakdown(spec: ModelSpec, placement: dict[str, Placement], tier: int, 
     sizes = sublayer_bytes(spec)
     on_gpu = any(p is not Placement.CPU for p in placement.values())
     n_kv = gpu_attention_layers(spec, placement) if kv_layers is None else kv_layers
-    host_kv = host_kv_attention_layers(spec, placement, kv_layers) > 0
+    host_kv = any_host_kv_attention(spec, placement, kv_layers)
     return VramBreakdown(
         weights=sum(sizes[n] for n, p in placement.items() if p is Placement.RESIDENT),
         kv=kv_cache_bytes(spec, kv_tokens, n_kv),

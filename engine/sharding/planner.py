@@ -8,10 +8,10 @@ The family (`Family`) is every placement described by four numbers, independent 
   work between two streamed FFNs); the other FFNs run on the CPU;
 - the output head: resident, streamed or on the CPU (a separate choice: it is as large as several FFNs,
   so "head before FFNs" and "FFNs before head" are both in the family);
-- for k up to a quarter of the layers of a dense model: whether the attention of the layers past k runs on the CPU or
-  streams to the GPU over its KV cache, which stays in host memory either way (each such step copies that
-  layer's KV in and its new keys and values out: dear for decode, cheap beside a long prompt's compute,
-  so prefill tiers of small budgets, where the KV of every layer does not fit, take it).
+- for k up to a quarter of the layers of a dense model: whether the attention of the layers past k runs
+  on the CPU or streams to the GPU over its KV cache, which stays in host memory either way (each such
+  step copies that layer's KV in and its new keys and values out: dear for decode, cheap beside a long
+  prompt's compute, so prefill tiers of small budgets, where the KV of every layer does not fit, take it).
 GPU attention that is not resident streams. The embedding (a gather of a few rows) stays in host memory,
 except in forced gpu_only plans, which put every sub-layer on the GPU. Kinds, by placement (the embedding
 gather does not count as CPU compute): `gpu_only` computes nothing on the CPU (non-resident sub-layers
@@ -29,8 +29,8 @@ model's.
 Each member's VRAM (`engine.sharding.memory`) and predicted time per tier (`engine.sharding.estimator`)
 are computed once per KV capacity (about a second for an 8B model); a plan is then a lookup of the
 fastest member under the budget, per tier (about a millisecond). All tiers of a PlanSet share k (the KV
-cache of the first k layers lives in VRAM, the others' in host memory, so no KV moves between tiers) and whether the head
-is resident: the pair whose plans minimise `score`, the predicted time of a reference workload (decode
+cache of the first k layers lives in VRAM, the others' in host memory, so no KV moves between tiers) and
+whether the head is resident: the pair whose plans minimise `score`, the predicted time of a reference workload (decode
 steps and one input per tier). Resident sets of the tiers are then nested (prefixes of one order, and
 the same head), so switching tiers only adds or drops a tail.
 
