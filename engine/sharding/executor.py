@@ -470,21 +470,16 @@ class Executor:
         if self.kv.pools[layer].on_gpu != want_gpu:
             self.kv.place_layer(layer, want_gpu)
         gqa = self.cfg.num_kv_heads != self.cfg.num_heads
-        # A GPU attention over a host-resident KV cache: the new keys and values go out to the host pool,
-        # the step's cached ones come in (into the scratch the plan books for one layer's KV).
         host_kv = self.plan.host_kv_attention(layer)
-        kv_in = (lambda t: self._move(t, True)) if host_kv else (lambda t: t)
-        if host_kv:        # one sequence's KV at a time in VRAM (the plan books one layer's capacity)
-            decode = None
 
         def attend(q, k, v):
             if host_kv:
-                k, v = self._move(k, False), self._move(v, False)
+                return self._attend_over_host_kv(layer, q, k, v, segs, gqa)
             self.kv.write_many(layer, [(s.seq, s.start, s.n) for s in segs], k, v)
             if len(segs) == 1:
                 s = segs[0]
                 keys, values = self.kv.read(layer, s.seq, s.start + s.n)
-                return dense._attend(q, kv_in(keys), kv_in(values), s.masks[dev], gqa)
+                return dense._attend(q, keys, values, s.masks[dev], gqa)
             out = torch.empty_like(q)
             if decode is not None:    # the decode tokens: one padded attention over their caches
                 keys, values, valid = self.kv.read_padded(layer, [(s.seq, s.start + 1) for s in decode.segs])
@@ -495,11 +490,28 @@ class Executor:
             for s in segs:
                 if decode is None or s not in decode.segs:
                     keys, values = self.kv.read(layer, s.seq, s.start + s.n)
-                    out[:, s.row:s.row + s.n] = dense._attend(q[:, s.row:s.row + s.n], kv_in(keys),
-                                                              kv_in(values), s.masks[dev], gqa)
+                    out[:, s.row:s.row + s.n] = dense._attend(q[:, s.row:s.row + s.n], keys, values,
+                                                              s.masks[dev], gqa)
             return out
 
         return dense.attention_block(self.cfg, w, x, cos_sin[0], cos_sin[1], None, None, None, attend=attend)
+
+    def _attend_over_host_kv(self, layer: int, q, k, v, segs: list[_Segment], gqa: bool) -> torch.Tensor:
+        """Attention on the GPU over a KV cache kept in host memory, one sequence at a time (the plan books
+        one layer's KV in scratch): the new keys and values are copied out to the (pinned) host pool and
+        each sequence's cached ones in, both queued on the stream, so the host never waits for the GPU. The
+        new ones take part as a read after the write would return them (an FP8 pool rounds them)."""
+        self.kv.write_from_device(layer, [(s.seq, s.start, s.n) for s in segs], k, v)
+        k, v = self.kv.as_stored(layer, k, v)
+        out = torch.empty_like(q)
+        for s in segs:
+            keys, values = k[:, s.row:s.row + s.n], v[:, s.row:s.row + s.n]
+            if s.start:
+                past_k, past_v = self.kv.read_to(layer, s.seq, s.start, q.device)
+                keys, values = torch.cat([past_k, keys], 1), torch.cat([past_v, values], 1)
+            out[:, s.row:s.row + s.n] = dense._attend(q[:, s.row:s.row + s.n], keys, values,
+                                                      s.masks[q.device], gqa)
+        return out
 
     def _move(self, x: torch.Tensor, to_gpu: bool) -> torch.Tensor:
         if self.accel is None or self.accel.kind == "sim":

@@ -256,7 +256,11 @@ class PagedKVCache:
         if new_bytes > old_bytes:
             self.accel.book(new_bytes - old_bytes, "kv", f"KV cache of layer {layer}")
         try:
-            parts = [torch.empty((n_blocks, *shape), dtype=dt, device=device) for shape, dt in pool.part_specs()]
+            # Host pools are pinned beside a GPU: attention streamed over a host-resident KV cache copies
+            # straight between them and the GPU without blocking the host.
+            pin = self._pinned and not on_gpu
+            parts = [torch.empty((n_blocks, *shape), dtype=dt, device=device, pin_memory=pin)
+                     for shape, dt in pool.part_specs()]
         except torch.OutOfMemoryError:
             if new_bytes > old_bytes:
                 self.accel.unbook(new_bytes - old_bytes, "kv")
@@ -610,13 +614,52 @@ class PagedKVCache:
         head_dim] hold the tokens of each segment (sequence, start, n) one after another."""
         pool = self.pools[layer]
         flat = self._slot_index(segments, pool.k.device)
-        values = [k.transpose(0, 1), v.transpose(0, 1)]              # [n, kv_heads, head_dim]
+        values = self._quantized(pool, k.transpose(0, 1), v.transpose(0, 1))   # [n, kv_heads, head_dim]
+        for part, value in zip(pool.parts, values):
+            part.view(-1, *part.shape[2:]).index_copy_(0, flat, value)
+
+    def _quantized(self, pool: LayerPool, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        """What a pool stores of keys and values [n, kv_heads, head_dim]: the parts in its dtypes."""
+        values = [k, v]
         if pool.fp8:
             scales = [t.abs().amax(-1).float().clamp(min=1e-12) / FP8_MAX for t in values]
             values = [(t.float() / sc[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
                       for t, sc in zip(values, scales)] + scales
+        return [value.to(part_dtype) for value, (_, part_dtype) in zip(values, pool.part_specs())]
+
+    def as_stored(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [kv_heads, n, head_dim] as a read after writing them would return them (an FP8 pool
+        rounds them), on their own device."""
+        pool = self.pools[layer]
+        k2, v2 = self._dequantized(pool, self._quantized(pool, k.transpose(0, 1), v.transpose(0, 1)))
+        return k2.transpose(0, 1), v2.transpose(0, 1)
+
+    def write_from_device(self, layer: int, segments: list[tuple[Sequence, int, int]], k: torch.Tensor,
+                          v: torch.Tensor) -> None:
+        """write_many for keys and values on the GPU into a host pool: copies queued on the current
+        stream, one per run of consecutive pool rows, so the host does not wait. Host readers of the pool
+        come after the step, which ends by waiting for the stream."""
+        pool = self.pools[layer]
+        values = [t.contiguous() for t in self._quantized(pool, k.transpose(0, 1), v.transpose(0, 1))]
+        flat = self._slot_index(segments, torch.device("cpu")).tolist()
+        runs, a = [], 0
+        for i in range(1, len(flat) + 1):
+            if i == len(flat) or flat[i] != flat[i - 1] + 1:
+                runs.append((a, i))
+                a = i
         for part, value in zip(pool.parts, values):
-            part.view(-1, *part.shape[2:]).index_copy_(0, flat, value.to(part.dtype))
+            rows = part.view(-1, *part.shape[2:])
+            for a, b in runs:
+                rows[flat[a]:flat[a] + b - a].copy_(value[a:b], non_blocking=True)
+
+    def read_to(self, layer: int, seq: Sequence, length: int, device: torch.device) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
+        """read() of a host pool onto `device`: the stored parts are copied (without blocking the host
+        where the pool is pinned and the sequence's blocks are consecutive), then dequantized there."""
+        pool = self.pools[layer]
+        parts = [p.reshape(-1, *p.shape[2:])[:length] for p in self._block_parts(pool, seq, length)]
+        k, v = self._dequantized(pool, [p.to(device, non_blocking=True) for p in parts])
+        return k.transpose(0, 1), v.transpose(0, 1)
 
     def _slot_index(self, segments: list[tuple[Sequence, int, int]], device: torch.device) -> torch.Tensor:
         """Flat pool rows of positions start..start+n-1 of each segment, computed once per step and device
@@ -645,18 +688,22 @@ class PagedKVCache:
     def read(self, layer: int, seq: Sequence, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first `length` positions: [kv_heads, length, head_dim] each."""
         pool = self.pools[layer]
+        parts = self._block_parts(pool, seq, length)
+        k, v = self._dequantized(pool, [p.reshape(-1, *p.shape[2:])[:length] for p in parts])
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def _block_parts(self, pool: LayerPool, seq: Sequence, length: int) -> list[torch.Tensor]:
+        """The pool's blocks holding the first `length` positions of `seq`, per stored part: a view
+        where the blocks are consecutive, else a gathered copy."""
         nb = -(-length // BLOCK_SIZE)
         blocks = seq.block_table[:nb]
         if blocks == list(range(blocks[0], blocks[0] + nb)):
-            parts = [p[blocks[0]:blocks[0] + nb] for p in pool.parts]
-        else:
-            key = ("blocks", tuple(blocks), pool.k.device)
-            idx = self._index_memo.get(key)
-            if idx is None:
-                idx = self._memo_index(key, torch.tensor(blocks, dtype=torch.long), pool.k.device)
-            parts = [p.index_select(0, idx) for p in pool.parts]
-        k, v = self._dequantized(pool, [p.reshape(-1, *p.shape[2:])[:length] for p in parts])
-        return k.transpose(0, 1), v.transpose(0, 1)
+            return [p[blocks[0]:blocks[0] + nb] for p in pool.parts]
+        key = ("blocks", tuple(blocks), pool.k.device)
+        idx = self._index_memo.get(key)
+        if idx is None:
+            idx = self._memo_index(key, torch.tensor(blocks, dtype=torch.long), pool.k.device)
+        return [p.index_select(0, idx) for p in pool.parts]
 
     def read_padded(self, layer: int, seqs: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                     torch.Tensor]:

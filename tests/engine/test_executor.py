@@ -160,3 +160,23 @@ def test_generation_over_host_kv_keeps_tokens(tiny_model):
     got = [e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=24)]
     assert got == want
     eng.close()
+
+
+def test_fp8_cache_over_host_kv_matches_cpu(tiny_model):
+    """With an FP8 KV cache, attention streamed over the host-resident pool sees this step's keys and
+    values rounded as the pool stores them, as the CPU's attention (which reads them back) does: the
+    same scores, and the same tokens over chunked prompts and decode (cached positions copied in)."""
+    path = tiny_model("llama3")
+    cpu = engine.open_model(path, device="cpu", backend="torch", kv_dtype="fp8")
+    ids = list(range(5, 70))
+    want_scores = cpu.score(ids)
+    want = [e.token_id for e in cpu.generate("the quick brown fox", max_new_tokens=24)]
+    eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB", kv_dtype="fp8")
+    names = [s.name for s in eng.spec.sublayers]
+    gpu_attn = {n: (Placement.STREAMED if n.endswith(".attn") else Placement.CPU) for n in names}
+    force_planset(eng, PlanSet(eng.budget, [Plan(t, "manual", dict(gpu_attn), 2, kv_layers=0) for t in eng.tiers]))
+    got_scores = eng.score(ids)
+    assert not any(p.on_gpu for p in eng.executor.kv.pools)
+    assert ((got_scores - want_scores).abs().max() / want_scores.abs().max()).item() < TOL
+    assert [e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=24)] == want
+    eng.close()
