@@ -40,10 +40,12 @@ def _snapshot(eng, poll: VramPoller, phase: str) -> dict:
 
 
 def _pinned_bytes() -> int | None:
-    """Bytes of pinned host blocks PyTorch's host allocator holds (its blocks are rounded up to a power
-    of two), where this PyTorch reports them."""
+    """Page-locked host bytes: the engine's registered buffers (their exact sizes) plus the blocks
+    PyTorch's pinned allocator holds (rounded up to a power of two), where this PyTorch reports them."""
+    from engine.sharding.device import page_locked_bytes
+
     try:
-        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current"))
+        return page_locked_bytes() + int(torch.cuda.host_memory_stats().get("allocated_bytes.current"))
     except (AttributeError, RuntimeError, TypeError):
         return None
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sharding.device import Accelerator
+from engine.sharding.device import Accelerator, page_locked
 
 _ALIGN = 256
 _FUSED = {"qkv.weight": ("q.weight", "k.weight", "v.weight"), "qkv.bias": ("q.bias", "k.bias", "v.bias"),
@@ -46,7 +46,7 @@ class SubLayerWeights:
             off += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         self.layout = tuple(layout)
         self.nbytes = off
-        buf = torch.empty(off, dtype=torch.uint8, pin_memory=pin)
+        buf = page_locked(off, pin)
         for s, t in zip(layout, tensors.values()):
             buf[s.offset:s.offset + s.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
         self.host = buf

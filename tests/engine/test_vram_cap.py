@@ -54,3 +54,34 @@ def test_overhead_follows_what_nvml_shows_beyond_the_allocator(monkeypatch):
     accel.overhead = high
     accel.refresh_overhead()
     assert accel.overhead == high            # never lowered
+
+
+def test_unpinned_page_locked_buffer_is_plain_memory():
+    from engine.sharding.device import page_locked, page_locked_bytes
+
+    before = page_locked_bytes()
+    buf = page_locked(3 * MiB + 5, pin=False)
+    assert buf.numel() == 3 * MiB + 5 and buf.dtype == torch.uint8
+    assert page_locked_bytes() == before
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="registering host memory with the CUDA driver")
+def test_page_locked_buffers_cost_their_own_size_and_copy_asynchronously():
+    import gc
+
+    from engine.sharding.device import page_locked, page_locked_bytes
+
+    before = page_locked_bytes()
+    n = 96 * MiB + 4096 + 7                    # PyTorch's pinned allocator would hold 128 MiB for it
+    buf = page_locked(n)
+    assert buf.is_pinned() and buf.numel() == n
+    assert page_locked_bytes() == before + n
+    buf.fill_(3)
+    out = buf.to("cuda", non_blocking=True)
+    back = page_locked(n)
+    back.copy_(out, non_blocking=True)
+    torch.cuda.synchronize()
+    assert int(back[n - 1]) == 3 and int(back.sum()) == 3 * n
+    del buf, back, out
+    gc.collect()
+    assert page_locked_bytes() == before
