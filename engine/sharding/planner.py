@@ -54,7 +54,8 @@ from engine.units import format_bytes, parse_bytes
 
 _PLACEMENT = {CPU: Placement.CPU, RES: Placement.RESIDENT, STR: Placement.STREAMED, HKV: Placement.STREAMED}
 REFERENCE_DECODE = 256   # decode steps in the reference workload that `score` prices
-_M_STEPS = (0, 1, 2, 3, 4, 6, 8, 11, 16, 22, 32, 45, 64, 90, 128)   # streamed FFN counts tried
+_M_STEPS = (*range(17), 20, 24, 28, 32, 45, 64, 90, 128)   # streamed FFN counts tried (one FFN moves a
+# decode step's balance between the CPU and the copy engine by several milliseconds: fine steps where it counts)
 _UNIT_LADDER = 0.15     # MoE: relative step of the resident prefix lengths tried
 _M_STEPS_MOE = (0, 1, 2, 4, 8, 16, 32, 64, 128)   # streamed unit counts tried for MoE models
 _PIPELINE_CELLS = 1 << 22   # members x sub-layers replayed at once (~50 bytes of working memory each)
