@@ -34,7 +34,7 @@ from engine.sharding.memory import sublayer_bytes
 from engine.sharding.pipeline import CPU, HKV, RES, STR, Pipeline
 from engine.sharding.plan import Placement
 from engine.sharding.profile import ProfileDatabase
-from engine.sharding.spec import DTYPE_BYTES, ModelSpec, routed_streaming
+from engine.sharding.spec import DTYPE_BYTES, ModelSpec, SubLayerSpec, routed_streaming
 
 __all__ = ["CPU", "HKV", "RES", "STR", "Estimator", "StepCosts", "step_costs"]
 CODE = {Placement.CPU: CPU, Placement.RESIDENT: RES, Placement.STREAMED: STR}
@@ -72,6 +72,15 @@ def dtype_name(spec: ModelSpec) -> str:
     return "float32" if spec.dtype_bytes == 4 else "bfloat16"
 
 
+def attention_parts_ms(prof: ProfileDatabase, side: str, dt: str, sub: SubLayerSpec, n: int,
+                       ctx: int) -> tuple[float, float]:
+    """(projections, attention over `ctx` context tokens) milliseconds of attention sub-layer `sub` in a
+    step of `n` tokens on `side`, before op overhead (`OPS["attn"]` ops). The profile's CPU attention
+    block factor (`measure.attn_block_factors`) is calibrated against this."""
+    return (prof.gemm_ms(side, dt, "attn", sub.flops_per_token, n),
+            prof.attention_ms(side, dt, ctx * sub.kv_bytes_per_token, n * ctx * sub.attn_flops_per_token_ctx))
+
+
 def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: int,
                head_rows: int | None = 1) -> StepCosts:
     cfg, db, dt = spec.config, spec.dtype_bytes, dtype_name(spec)
@@ -85,9 +94,7 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
             if sub.kind == "embed":
                 t = prof.mem_ms(side, 2 * n * cfg.hidden_size * db)
             elif sub.kind == "attn":
-                t = (prof.gemm_ms(side, dt, "attn", sub.flops_per_token, n)
-                     + prof.attention_ms(side, dt, ctx * sub.kv_bytes_per_token,
-                                         n * ctx * sub.attn_flops_per_token_ctx))
+                t = sum(attention_parts_ms(prof, side, dt, sub, n, ctx))
             elif sub.kind in ("ffn", "router"):
                 t = prof.gemm_ms(side, dt, "ffn", sub.flops_per_token, n)
             elif sub.kind == "experts":

@@ -7,7 +7,12 @@ CUDA events; pinned host-to-device and device-to-host bandwidth on a side copy s
 a small activation between CPU and GPU; and the two rates that matter for overlap: copy bandwidth while
 the CPU computes and CPU throughput while copies run. Nothing spins: waits poll a CUDA event with a short
 sleep, as the executor does. Decode-shaped GEMVs cycle through more weight bytes than any cache holds,
-and beside a GPU the CPU's weights sit in pinned memory, where the executor keeps them.
+and beside a GPU the CPU's weights sit in pinned memory, where the executor keeps them. The engine's own
+CPU FFN and attention blocks are timed against what the tables predict for them (the profile's
+`block_factor` and `attn_block_factor`).
+
+`python -m engine.sharding.measure --attn-block --update PATH` adds the attention block's factor to a
+stored profile database file in place (seconds), without measuring the rest again.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -45,6 +50,7 @@ class Sizes:
     copy_bytes: int = 0          # pinned buffer of the PCIe measurements
     dtypes: tuple[str, ...] = DTYPES
     pinned: bool = False         # CPU weights in pinned memory (as the executor keeps them beside a GPU)
+    kv_heads: int = 8            # key/value heads of the attention block measurement (grouped-query)
 
     def classes(self) -> dict[str, tuple[int, int]]:
         """Shape class -> (out_features, in_features) of its representative matrix."""
@@ -79,7 +85,7 @@ def beyond_caches(sizes: Sizes, llc: int | None = None) -> Sizes:
     return replace(sizes, rotate_bytes=max(sizes.rotate_bytes, CACHE_ROTATIONS * llc))
 
 
-CPU_QUICK = Sizes(1024, 2816, 16384, 8, 128, 1024, (1, 16, 256), 0.12, 64 * MiB)
+CPU_QUICK = Sizes(1024, 2816, 16384, 8, 128, 1024, (1, 16, 256), 0.12, 64 * MiB, kv_heads=2)
 CPU_FULL = Sizes(4096, 14336, 32768, 32, 128, 4096, (1, 4, 16, 64, 256, 1024), 0.4, 512 * MiB)
 GPU_QUICK = Sizes(4096, 14336, 32768, 32, 128, 4096, (1, 4, 16, 64, 256, 1024, 4096), 0.03, 256 * MiB,
                   256 * MiB)
@@ -294,6 +300,97 @@ def ffn_block_factors(sizes: Sizes, gemm: dict, op_us: float) -> dict[str, float
     return out
 
 
+ATTN_CTX = 256          # cached tokens of the attention block measurement (a short decode context)
+ATTN_TOKENS = (1, 16)   # new tokens per measured attention step
+
+
+@torch.inference_mode()
+def _attention_blocks(sizes: Sizes, ctx: int = ATTN_CTX, n_max: int = max(ATTN_TOKENS)):
+    """(cfg, run(i, x), bytes per block, dtype) over attention blocks of the profile's shape as the
+    executor runs one sequence's step on the CPU: each block's weights packed in a host buffer as the
+    executor packs them (pinned when `sizes.pinned`, the fused `qkv.weight` view), its new keys and values
+    written to a paged KV cache holding `ctx` tokens and the context read back (the sequence's blocks
+    interleaved with another's, so the read gathers them, as a cache shared by several sequences does),
+    cycling through more weight bytes than the caches hold. x [n, hidden] at positions ctx..ctx+n-1;
+    in inference mode, as the executor runs."""
+    from engine.config import ModelConfig
+    from engine.models.dense import attention_block, attention_mask
+    from engine.models.rope import RotaryTable
+    from engine.sharding.kvcache import BLOCK_SIZE, PagedKVCache, Sequence
+    from engine.sharding.weights import SubLayerWeights
+
+    dtype = "bfloat16" if "bfloat16" in sizes.dtypes else sizes.dtypes[0]
+    dt, h = _TORCH[dtype], sizes.hidden
+    kv_heads = math.gcd(sizes.heads, sizes.kv_heads)      # a divisor of heads (tiny shapes: <= heads)
+    base = ModelConfig(arch="llama", vocab_size=256, hidden_size=h, intermediate_size=sizes.ffn, num_layers=1,
+                       num_heads=sizes.heads, num_kv_heads=kv_heads, head_dim=sizes.head_dim, dtype=dtype)
+    one = {"attn_norm.weight": torch.ones(h, dtype=dt)}
+    for name, rows, cols in (("q", base.q_size, h), ("k", base.kv_size, h), ("v", base.kv_size, h),
+                             ("o", h, base.q_size)):
+        one[f"{name}.weight"] = torch.empty(rows, cols, dtype=dt).uniform_(-0.05, 0.05)
+    nbytes = sum(t.numel() * t.element_size() for t in one.values())
+    count = max(1, sizes.rotate_bytes // nbytes)
+    blocks = [SubLayerWeights(f"layers.{i}.attn", one, sizes.pinned).host_views for i in range(count)]
+    assert "qkv.weight" in blocks[0]
+    cfg = replace(base, num_layers=count)
+    kv = PagedKVCache(cfg, dt, None)
+    seq, other = Sequence(), Sequence()
+    while seq.length < ctx + n_max:                         # one block each in turn
+        for s in (seq, other):
+            kv.reserve(s, BLOCK_SIZE)
+            s.length += BLOCK_SIZE
+    seq.length = ctx
+    for pool in kv.pools:
+        for part in pool.parts:
+            part.normal_(0.0, 0.5)
+    rope, gqa = RotaryTable(cfg), cfg.num_kv_heads != cfg.num_heads
+    steps = {}
+    for n in range(1, n_max + 1):
+        steps[n] = (*rope.cos_sin(torch.arange(ctx, ctx + n), torch.device("cpu"), dt),
+                    attention_mask(n, ctx, None, "cpu"))
+
+    def run(i: int, x: torch.Tensor) -> torch.Tensor:
+        layer, n = i % count, x.shape[0]
+        cos, sin, mask = steps[n]
+
+        def attend(q, k, v):           # the executor's one-sequence attention (Executor._attention)
+            kv.write_many(layer, [(seq, ctx, n)], k, v)
+            keys, values = kv.read(layer, seq, ctx + n)
+            return dense._attend(q, keys, values, mask, gqa)
+
+        with torch.inference_mode():
+            return attention_block(cfg, blocks[layer], x, cos, sin, None, None, None, attend=attend)
+
+    return cfg, run, nbytes, dtype
+
+
+def attn_block_factors(sizes: Sizes, sec: dict, ctx: int = ATTN_CTX) -> dict:
+    """The engine's own CPU attention block (norm, fused qkv, rope, paged KV write and read, attention, o)
+    timed at one and a few new tokens over `ctx` cached ones. Returns {"factor": {n: f}, "detail": ...}:
+    f scales the CPU "attn" GEMM table (in place of the FFN `block_factor`) so that the estimator's CPU
+    attention sub-layer (`estimator.attention_parts_ms` plus its op overhead, from this section's rates)
+    takes the measured time; clamped to [0.5, 3]. The extra over the GEMM-table prediction is PyTorch op
+    overhead (the KV gather, attention, rope and norm ops) that the per-op charge does not cover."""
+    from engine.sharding.estimator import OPS, attention_parts_ms
+    from engine.sharding.profile import ProfileDatabase
+    from engine.sharding.spec import ModelSpec
+
+    cfg, run, _, dtype = _attention_blocks(sizes, ctx)
+    sub = next(s for s in ModelSpec.from_config(replace(cfg, num_layers=1)).sublayers if s.kind == "attn")
+    raw = ProfileDatabase({"device": "cpu", "cpu": {k: v for k, v in sec.items()
+                                                     if k not in ("block_factor", "attn_block_factor")}})
+    factor, measured, predicted = {}, {}, {}
+    for n in ATTN_TOKENS:
+        x = torch.randn(n, sizes.hidden, dtype=_TORCH[dtype])
+        ms = time_host(lambda i, x=x: run(i, x), sizes.min_time_s) * 1e3
+        proj, attend = attention_parts_ms(raw, "cpu", dtype, sub, n, ctx + n)
+        rest = attend + raw.op_ms("cpu", OPS["attn"])
+        factor[str(n)] = round(min(3.0, max(0.5, (ms - rest) / proj)), 4)
+        measured[str(n)], predicted[str(n)] = round(ms, 4), round(proj + rest, 4)
+    return {"factor": factor, "detail": {"ctx": ctx, "kv_heads": cfg.num_kv_heads, "measured_ms": measured,
+                                         "predicted_ms": predicted}}
+
+
 IDLE_S = 0.002     # a GPU stretch between two CPU sub-layers of a mixed decode plan (attention, a copy wait)
 
 
@@ -341,14 +438,81 @@ def device_section(sizes: Sizes, device, step: _Steps) -> dict:
 
 
 def cpu_section(sizes: Sizes, progress: Progress | None, offset: float = 0.0, share: float = 1.0) -> dict:
-    n_steps = len(sizes.dtypes) * (3 * len(sizes.tokens) + 1) + 3 + 6
+    n_steps = len(sizes.dtypes) * (3 * len(sizes.tokens) + 1) + 3 + 7
     step = _Steps(n_steps, progress, offset, share)
     sec = device_section(sizes, "cpu", step)
     step("cpu FFN block as the engine runs it")
     sec["block_factor"] = ffn_block_factors(sizes, sec["gemm"], sec["op_overhead_us"])
+    step("cpu attention block as the engine runs it")
+    attn = attn_block_factors(sizes, sec)
+    sec["attn_block_factor"], sec["attn_block"] = attn["factor"], attn["detail"]
     step("cpu FFN block after an idle gap")
     sec["ffn_block_idle"] = ffn_block_after_idle(sizes)
     sec["threads"] = torch.get_num_threads()
     sec["pinned_weights"] = sizes.pinned
     sec["threads_gbps"] = thread_sweep(sizes, step)
     return sec
+
+
+# ---- adding one measurement to a stored profile -------------------------------------------------
+def stored_sizes(shapes: dict) -> Sizes:
+    """The `Sizes` a profile section was measured with (its "shapes"; fields it predates keep defaults)."""
+    known = {f.name for f in fields(Sizes)}
+    return Sizes(**{k: tuple(v) if isinstance(v, list) else v for k, v in shapes.items() if k in known})
+
+
+def update_attn_block(path: Path, key: str | None = None, log: Callable[[str], None] = print) -> dict:
+    """Measure the engine's CPU attention block on this machine with the shapes, thread count and rates
+    of a stored profile (entry `key`, default the first, which `--profile-file` reads) and write its
+    `attn_block_factor` into that entry of the profile database at `path`, in place. Returns the entry."""
+    import json
+    import os
+    from datetime import datetime, timezone
+
+    from engine import kernels
+    from engine.sharding import profile_store
+
+    db = json.loads(Path(path).read_text(encoding="utf-8"))
+    if db.get("schema") != profile_store.SCHEMA or not db.get("profiles"):
+        raise ValueError(f"{path}: not a profile database of schema {profile_store.SCHEMA}")
+    key = key or next(iter(db["profiles"]))
+    entry = db["profiles"][key]
+    sec = entry["cpu"]
+    sizes = stored_sizes(sec["shapes"])
+    if sizes.pinned and not torch.cuda.is_available():
+        log("no CUDA here: weights in pageable memory (the profile's were pinned)")
+        sizes = replace(sizes, pinned=False)
+    threads = torch.get_num_threads()
+    want = int(sec.get("threads") or threads)
+    if want != threads and want <= (os.cpu_count() or want):
+        torch.set_num_threads(want)
+    log(f"profile {key}: CPU matmul now {kernels.status(wait=True)}; "
+        f"profile's fingerprint: {entry.get('fingerprint', {}).get('cpu_matmul', '?')}")
+    try:
+        attn = attn_block_factors(sizes, sec)
+    finally:
+        torch.set_num_threads(threads)
+    detail = dict(attn["detail"], added=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    log(f"attention block over {detail['ctx']} tokens: measured {detail['measured_ms']} ms, tables "
+        f"predicted {detail['predicted_ms']} ms -> attn_block_factor {attn['factor']} "
+        f"(was {sec.get('attn_block_factor')})")
+    entry["cpu"] = dict(sec, attn_block_factor=attn["factor"], attn_block=detail)
+    profile_store.replace_profile(Path(path), key, entry)
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Add one measurement to a stored profile database file.")
+    ap.add_argument("--attn-block", action="store_true", required=True,
+                    help="the engine's CPU attention block (attn_block_factor of the CPU section)")
+    ap.add_argument("--update", required=True, metavar="PATH", help="profile database file to update in place")
+    ap.add_argument("--key", default=None, help="profile entry (default: the first)")
+    args = ap.parse_args(argv)
+    update_attn_block(Path(args.update), args.key)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

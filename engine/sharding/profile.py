@@ -10,7 +10,9 @@ beside a default CPU (30 GB/s weight streaming, 0.4 TFLOP/s bf16, 0.2 fp16, 0.6 
 Queries price work in milliseconds: `gemm_ms` (tables of achieved GFLOP/s by dtype, shape class and
 token count, interpolated log-log between measured token counts and flat past the last; on load, a
 section's tables are scaled by its `block_factor` (the engine's own CPU FFN block timed against the
-tables' prediction) and made monotone, so that more tokens never take less time), `attention_ms`
+tables' prediction; the "attn" class by `attn_block_factor` instead where the profile has it: the scale
+that makes the estimator's attention sub-layer match the engine's own CPU attention block) and made
+monotone, so that more tokens never take less time), `attention_ms`
 (roofline of KV bytes read and FLOPs), `op_ms` (per-kernel overhead), `copy_ms` (weights over PCIe,
 alone or beside CPU work) and `move_ms` (an activation crossing between CPU and GPU).
 """
@@ -107,9 +109,17 @@ class ProfileDatabase:
             if sec is None:
                 continue
             factor = _factor_curve(sec.get("block_factor") or {})
+            # The attention projections' table has its own factor where the attention block was measured
+            # (at a few tokens; past them it joins the FFN factor's points, where the matmuls dominate).
+            attn, points = factor, sec.get("attn_block_factor")
+            if points:
+                top = max(int(n) for n in points)
+                attn = _factor_curve({**{n: f for n, f in (sec.get("block_factor") or {}).items()
+                                         if int(n) > top}, **points})
             for dtype, classes in sec["gemm"].items():
                 for cls, rows in classes.items():
-                    scaled = [[n, r / factor(int(n))] for n, r in rows]
+                    f = attn if cls == "attn" else factor
+                    scaled = [[n, r / f(int(n))] for n, r in rows]
                     self._tables[(where, dtype, cls)] = _monotone_table(scaled)
 
     # ---- construction --------------------------------------------------------------------------
@@ -266,6 +276,9 @@ class ProfileDatabase:
             if sec.get("block_factor"):
                 lines.append("    engine FFN block vs tables (applied): "
                              + ", ".join(f"x{n} tokens {f:.2f}" for n, f in sec["block_factor"].items()))
+            if sec.get("attn_block_factor"):
+                lines.append("    engine attention block: attention projections' table scaled by "
+                             + ", ".join(f"x{n} tokens {f:.2f}" for n, f in sec["attn_block_factor"].items()))
             idle = sec.get("ffn_block_idle")
             if idle:
                 lines.append(f"    one-token FFN block {idle['hot_ms']:.2f} ms back to back, "

@@ -119,7 +119,20 @@ def load_db(path: Path) -> dict:
 def save_profile(path: Path, key: str, profile: dict) -> None:
     """Insert `profile` under `key` as the newest entry; drop the oldest past MAX_ENTRIES or 1 MB."""
     db = load_db(path)
-    entries = [(key, profile)] + [(k, v) for k, v in db["profiles"].items() if k != key]
+    _write(path, [(key, profile)] + [(k, v) for k, v in db["profiles"].items() if k != key])
+
+
+def replace_profile(path: Path, key: str, profile: dict) -> None:
+    """Replace the existing entry `key` in place (the other entries and their order unchanged)."""
+    entries = list(load_db(path)["profiles"].items())
+    if key not in dict(entries):
+        raise KeyError(key)
+    _write(path, [(k, profile if k == key else v) for k, v in entries])
+
+
+def _write(path: Path, entries: list[tuple[str, dict]]) -> None:
+    """The database of `entries` (newest first), oldest dropped past MAX_ENTRIES or 1 MB, written by a
+    temporary file that replaces the old one."""
     entries = entries[:MAX_ENTRIES]
     while True:
         text = json.dumps({"schema": SCHEMA, "profiles": dict(entries)}, indent=1, sort_keys=False)

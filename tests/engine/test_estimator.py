@@ -132,3 +132,37 @@ def test_attention_over_host_kv_also_copies_the_kv(llama):
         assert extra == pytest.approx(kv_ms, rel=0.05)
     assert est.encode(pl, kv_layers=4)[[i for i, s in enumerate(spec.sublayers) if s.kind == "attn"]].tolist() \
         == [2] * 4 + [3] * (spec.config.num_layers - 4)
+
+
+def test_cpu_attention_is_priced_with_the_attention_block_factor(llama):
+    """A profile with `attn_block_factor` scales the CPU attention sub-layers' projections by it (higher or
+    lower), leaving every FFN, the head and the GPU side as they were; one without it scales them by the
+    FFN block factor exactly as before."""
+    from engine.sharding.estimator import OPS, attention_parts_ms, step_costs
+
+    spec, _ = llama
+    raw = ProfileDatabase(sim_profile_dict())
+
+    def prof(attn_factor=None):
+        data = sim_profile_dict()
+        data["cpu"]["block_factor"] = {"1": 1.5, "1024": 1.0}
+        if attn_factor is not None:
+            data["cpu"]["attn_block_factor"] = {"1": attn_factor, "16": attn_factor}
+        return ProfileDatabase(data)
+
+    kinds = np.array([s.kind for s in spec.sublayers])
+    attn, other = kinds == "attn", kinds != "attn"
+    sub = spec.sublayers[int(np.argmax(attn))]
+    proj, over_ctx = attention_parts_ms(raw, "cpu", "bfloat16", sub, 1, 2048)
+    ops = raw.op_ms("cpu", OPS["attn"])
+    ffn_only = step_costs(spec, prof(), 1, 2048)
+    assert ffn_only.cpu_ms[attn] == pytest.approx(1.5 * proj + over_ctx + ops)     # as before: the FFN factor
+    for f in (2.0, 0.75):
+        c = step_costs(spec, prof(f), 1, 2048)
+        assert c.cpu_ms[attn] == pytest.approx(f * proj + over_ctx + ops)
+        assert (c.cpu_ms[other] == ffn_only.cpu_ms[other]).all() and (c.gpu_ms == ffn_only.gpu_ms).all()
+    assert (step_costs(spec, prof(2.0), 1, 2048).cpu_ms[attn] > ffn_only.cpu_ms[attn]).all()
+    assert (step_costs(spec, prof(0.75), 1, 2048).cpu_ms[attn] < ffn_only.cpu_ms[attn]).all()
+    # and a plan with CPU attention costs more under the larger factor
+    cpu_attn = placement(spec, lambda s: C if s.kind == "attn" else R)
+    assert Estimator(spec, prof(2.0)).estimate(cpu_attn, 1, 2048) > Estimator(spec, prof()).estimate(cpu_attn, 1, 2048)

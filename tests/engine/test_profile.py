@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import asdict, replace
 
 import pytest
+import torch
 
 from engine.sharding import measure, profile_store
 from engine.sharding import profile as profile_mod
@@ -124,6 +126,7 @@ def test_tiny_measure(tmp_path, monkeypatch):
     assert all(len(rows) == 3 for cls in data["cpu"]["gemm"].values() for rows in cls.values())
     assert data["cpu"]["threads_gbps"] and data["cpu"]["op_overhead_us"] > 0
     assert set(data["cpu"]["block_factor"]) == {"1", "16"}
+    assert set(data["cpu"]["attn_block_factor"]) == {"1", "16"}
     idle = data["cpu"]["ffn_block_idle"]
     assert idle["hot_ms"] > 0 and idle["after_idle_ms"] > 0 and idle["block_bytes"] == 3 * 64 * 128 * 2
     assert seen == sorted(seen) and seen[-1] == 1.0
@@ -227,3 +230,115 @@ def test_rotations_span_four_last_level_caches():
     assert beyond_caches(CPU_FULL, 32 << 20).rotate_bytes == CPU_FULL.rotate_bytes     # already beyond
     assert beyond_caches(CPU_QUICK, 32 << 20).rotate_bytes == 128 << 20
     assert beyond_caches(CPU_QUICK, 0) == CPU_QUICK
+
+
+TINY = measure.Sizes(hidden=64, ffn=128, vocab=256, heads=4, head_dim=16, ctx=64, tokens=(1, 4, 16),
+                     min_time_s=0.001, rotate_bytes=256 * 1024, kv_heads=2)
+
+
+def _slow_cpu_section() -> dict:
+    """The sim CPU section with an "attn" table slow enough that TINY's projections take ~2.5 ms."""
+    sec = sim_profile_dict()["cpu"]
+    sec["gemm"]["bfloat16"]["attn"] = [[1, 0.01], [16, 0.16], [256, 2.56]]
+    sec["block_factor"] = {"1": 1.5, "16": 1.5}          # the FFN factor: not used by the attention solve
+    return sec
+
+
+def test_attention_block_measured_on_a_tiny_shape():
+    """The engine's own attention block (fused qkv, paged KV gather) runs and gives sane, clamped factors."""
+    out = measure.attn_block_factors(TINY, sim_profile_dict()["cpu"], ctx=32)
+    assert set(out["factor"]) == {"1", "16"} and all(0.5 <= f <= 3.0 for f in out["factor"].values())
+    d = out["detail"]
+    assert d["ctx"] == 32 and d["kv_heads"] == 2
+    assert all(d["measured_ms"][n] > 0 and d["predicted_ms"][n] > 0 for n in ("1", "16"))
+    # kv heads that do not divide the query heads (a default of 8 on a 4-head shape) fall back to a divisor
+    cfg, run, nbytes, _ = measure._attention_blocks(replace(TINY, kv_heads=8), ctx=32)
+    assert cfg.num_kv_heads == 4 and nbytes == 2 * (64 + 4 * 64 * 64) and cfg.num_layers == 256 * 1024 // nbytes
+    assert run(3, torch.randn(16, 64, dtype=torch.bfloat16)).shape == (16, 64)
+
+
+def test_attention_factor_makes_the_estimator_match_the_block(monkeypatch):
+    """The stored factor is the CPU "attn" table's scale at which the estimator's attention sub-layer
+    takes the measured time (a faked 4 ms), at one and at 16 new tokens over the measured context."""
+    from engine.config import ModelConfig
+    from engine.sharding.estimator import step_costs
+    from engine.sharding.spec import ModelSpec
+
+    monkeypatch.setattr(measure, "time_host", lambda fn, t, min_reps=3: (fn(0), fn(1), 0.004)[-1])
+    sec = _slow_cpu_section()
+    out = measure.attn_block_factors(TINY, sec, ctx=32)
+    assert 1.2 < out["factor"]["1"] < 2.0            # (4 ms - ~0.06 ms) / ~2.46 ms
+    assert out["detail"]["measured_ms"] == {"1": 4.0, "16": 4.0}
+    data = sim_profile_dict()
+    data["cpu"] = dict(sec, attn_block_factor=out["factor"])
+    cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=16, dtype="bfloat16")
+    spec = ModelSpec.from_config(cfg)
+    attn = [s.kind for s in spec.sublayers].index("attn")
+    for n in (1, 16):
+        assert step_costs(spec, ProfileDatabase(data), n, 32 + n).cpu_ms[attn] == pytest.approx(4.0, rel=1e-3)
+    monkeypatch.setattr(measure, "time_host", lambda fn, t, min_reps=3: 1.0)     # a second: clamped
+    assert measure.attn_block_factors(TINY, sec, ctx=32)["factor"] == {"1": 3.0, "16": 3.0}
+
+
+def test_attention_factor_replaces_the_ffn_factor_for_the_attn_table_only():
+    data = sim_profile_dict()
+    data["cpu"]["block_factor"] = {"1": 1.5, "1024": 1.2}
+    ffn_only = ProfileDatabase(data)
+    data = sim_profile_dict()
+    data["cpu"]["block_factor"] = {"1": 1.5, "1024": 1.2}
+    data["cpu"]["attn_block_factor"] = {"1": 2.0, "16": 3.0}
+    both = ProfileDatabase(data)
+    raw = ProfileDatabase(sim_profile_dict())
+
+    def rate(p, cls, n, where="cpu"):
+        return p.gemm_gflops(where, "bfloat16", cls, n)
+
+    for n in (1, 4, 16, 64, 256, 1024, 4096):
+        assert rate(both, "ffn", n) == rate(ffn_only, "ffn", n)           # FFN and head: the FFN factor
+        assert rate(both, "head", n) == rate(ffn_only, "head", n)
+        assert rate(ffn_only, "attn", n) == rate(ffn_only, "ffn", n)      # without the key: as before
+        assert rate(both, "attn", n, "gpu") == rate(raw, "attn", n, "gpu")
+    assert rate(both, "attn", 1) == pytest.approx(rate(raw, "attn", 1) / 2.0)
+    assert rate(both, "attn", 16) == pytest.approx(rate(raw, "attn", 16) / 3.0)
+    # past the measured token counts the curve joins the FFN factor's points (1.2 at 1024 tokens)
+    assert rate(both, "attn", 64) == pytest.approx(rate(raw, "attn", 64) / 2.4)     # log-linear 3 -> 1.2
+    assert rate(both, "attn", 1024) == pytest.approx(rate(raw, "attn", 1024) / 1.2)
+    assert rate(both, "attn", 4096) == rate(ffn_only, "attn", 4096)
+    assert "attention projections' table scaled by x1 tokens 2.00" in "\n".join(both.describe())
+
+
+def _profile_db(path, entries: dict) -> None:
+    path.write_text(json.dumps({"schema": profile_store.SCHEMA, "profiles": entries}, indent=1))
+
+
+def test_update_cli_adds_the_attention_factor_to_a_stored_profile(tmp_path):
+    """`python -m engine.sharding.measure --attn-block --update PATH` measures with the stored shapes (a
+    profile from before kv_heads existed loads with the default) and writes the factor into that entry in
+    place; the other entries, their order and the rest of the entry stay as they were."""
+    old_shapes = {k: v for k, v in asdict(replace(TINY, heads=8)).items() if k != "kv_heads"}
+    first = sim_profile_dict()
+    first["cpu"] = dict(first["cpu"], shapes=json.loads(json.dumps(old_shapes)), threads=1)
+    second = sim_profile_dict()
+    second["created"] = "older"
+    path = tmp_path / "copy.json"
+    _profile_db(path, {"new": first, "old": second})
+    before = json.loads(path.read_text())
+    assert measure.main(["--attn-block", "--update", str(path)]) == 0
+    after = json.loads(path.read_text())
+    assert list(after["profiles"]) == ["new", "old"] and after["profiles"]["old"] == before["profiles"]["old"]
+    cpu = after["profiles"]["new"]["cpu"]
+    assert set(cpu["attn_block_factor"]) == {"1", "16"} and cpu["attn_block"]["kv_heads"] == 8
+    assert {k: v for k, v in cpu.items() if not k.startswith("attn_block")} == before["profiles"]["new"]["cpu"]
+    assert {k: v for k, v in after["profiles"]["new"].items() if k != "cpu"} == \
+        {k: v for k, v in before["profiles"]["new"].items() if k != "cpu"}
+    ProfileDatabase(after["profiles"]["new"])
+    # --key picks another entry, which keeps its place
+    second_cpu = dict(second["cpu"], shapes=json.loads(json.dumps(old_shapes)))
+    _profile_db(path, {"new": after["profiles"]["new"], "old": dict(second, cpu=second_cpu)})
+    measure.main(["--attn-block", "--update", str(path), "--key", "old"])
+    again = json.loads(path.read_text())
+    assert list(again["profiles"]) == ["new", "old"] and "attn_block_factor" in again["profiles"]["old"]["cpu"]
+    assert again["profiles"]["new"] == after["profiles"]["new"]
+    with pytest.raises(SystemExit):
+        measure.main(["--update", str(path)])              # the measurement must be named
