@@ -21,7 +21,7 @@ from engine.bench.gpu_common import write_report
 from engine.config import ModelConfig
 from engine.models import dense
 from engine.models.rope import apply_rotary
-from engine.sharding.device import page_locked
+from engine.sharding.device import host_buffers
 from engine.sharding.kvcache import PagedKVCache, Sequence
 
 
@@ -48,7 +48,7 @@ def make_blocks(cfg: ModelConfig, count: int, pin: bool) -> list[dict[str, torch
             n = 1
             for s in shape:
                 n *= s
-            t = page_locked(2 * n, pin).view(dt).view(shape)
+            t = host_buffers([2 * n], pin)[0].view(dt).view(shape)
             t.normal_(0, 0.02)
             w[name] = t
         blocks.append(w)

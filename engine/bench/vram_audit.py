@@ -40,12 +40,10 @@ def _snapshot(eng, poll: VramPoller, phase: str) -> dict:
 
 
 def _pinned_bytes() -> int | None:
-    """Page-locked host bytes: the engine's registered buffers (their exact sizes) plus the blocks
-    PyTorch's pinned allocator holds (rounded up to a power of two), where this PyTorch reports them."""
-    from engine.sharding.device import page_locked_bytes
-
+    """Bytes of pinned host blocks PyTorch's host allocator holds (each rounded up to a power of two;
+    the engine cuts its weights' buffers from a few chunks), where this PyTorch reports them."""
     try:
-        return page_locked_bytes() + int(torch.cuda.host_memory_stats().get("allocated_bytes.current"))
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current"))
     except (AttributeError, RuntimeError, TypeError):
         return None
 

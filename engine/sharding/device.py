@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -64,39 +63,49 @@ def _measure_overhead(device: torch.device) -> tuple[int, str]:
     return max(0, nvml - torch.cuda.memory_reserved(device)) + workspace, "measured with NVML"
 
 
-_registered = {"bytes": 0, "buffers": 0}
+_ALIGN = 256
+MIN_CHUNK = 64 << 20
 
 
-def page_locked(nbytes: int, pin: bool = True) -> torch.Tensor:
-    """A host byte buffer of exactly `nbytes`, page-locked for the GPU's copy engine when `pin`.
-
-    PyTorch's pinned allocator rounds every block up to a power of two, which held 22.1 GiB of host
-    memory for an 8B model's 15 GiB of weights (`engine.bench.vram_audit` on the H200). An ordinary
-    allocation registered with the driver (cudaHostRegister) costs its own size and copies as fast. It is
-    unregistered when the buffer is collected (a view outliving it then copies synchronously, still
-    correctly); where registration fails, the pinned allocator's block is the fallback."""
-    buf = torch.empty(max(int(nbytes), 0), dtype=torch.uint8)
-    if not pin or buf.numel() == 0:
-        return buf
-    cudart = torch.cuda.cudart()
-    ptr = buf.data_ptr()
-    if int(cudart.cudaHostRegister(ptr, buf.numel(), 0)) != 0:
-        return torch.empty(buf.numel(), dtype=torch.uint8, pin_memory=True)
-    _registered["bytes"] += buf.numel()
-    _registered["buffers"] += 1
-    weakref.finalize(buf, _unregister, cudart, ptr, buf.numel())
-    return buf
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def _unregister(cudart, ptr: int, nbytes: int) -> None:
-    cudart.cudaHostUnregister(ptr)
-    _registered["bytes"] -= nbytes
-    _registered["buffers"] -= 1
+def pack_chunks(sizes: list[int]) -> tuple[int, list[tuple[int, list[tuple[int, int]]]]]:
+    """First-fit decreasing packing of buffers into chunks of one power-of-two size (at least the
+    largest buffer, at least MIN_CHUNK): (chunk size, [(bytes to allocate, [(buffer index, offset)])]).
+    Each chunk is allocated at the power of two at or above what it holds, so only the last, partly
+    filled chunks round up."""
+    if not sizes:
+        return 0, []
+    chunk = max(MIN_CHUNK, _pow2(max(sizes)))
+    bins: list[list] = []          # [used, [(index, offset)]]
+    for i in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
+        n = -(-sizes[i] // _ALIGN) * _ALIGN
+        for b in bins:
+            if b[0] + n <= chunk:
+                b[1].append((i, b[0]))
+                b[0] += n
+                break
+        else:
+            bins.append([n, [(i, 0)]])
+    return chunk, [(_pow2(used), items) for used, items in bins]
 
 
-def page_locked_bytes() -> int:
-    """Host bytes currently registered by `page_locked`."""
-    return _registered["bytes"]
+def host_buffers(sizes: list[int], pin: bool) -> list[torch.Tensor]:
+    """Host byte buffers of the given sizes; with `pin`, page-locked for the GPU's copy engine.
+
+    PyTorch's pinned allocator rounds every block up to a power of two, so one block per sub-layer held
+    22.1 GiB of host memory for an 8B model's 15 GiB of weights (`engine.bench.vram_audit` on the H200).
+    The buffers are cut instead from a few pinned chunks of one power-of-two size (`pack_chunks`)."""
+    if not pin:
+        return [torch.empty(int(n), dtype=torch.uint8) for n in sizes]
+    out: list[torch.Tensor | None] = [None] * len(sizes)
+    for nbytes, items in pack_chunks([int(n) for n in sizes])[1]:
+        mem = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        for i, off in items:
+            out[i] = mem[off:off + int(sizes[i])]
+    return out
 
 
 def _copy_inference(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -31,7 +31,7 @@ from itertools import islice
 import torch
 
 from engine.config import ModelConfig
-from engine.sharding.device import Accelerator, page_locked
+from engine.sharding.device import Accelerator
 
 BLOCK_SIZE = 16
 
@@ -169,7 +169,7 @@ class HostTier:
         first = self.allocated_slots
         n = min(self.chunk_slots, self.cap_slots - first)
         sizes = [-(-n * b // _ALIGN) * _ALIGN for layer in self.part_bytes for b in layer]
-        buf = page_locked(sum(sizes), self.pin)
+        buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.pin)
         views, off = [], 0
         for specs in self.specs:
             layer = []
@@ -258,11 +258,9 @@ class PagedKVCache:
         try:
             # Host pools are pinned beside a GPU: attention streamed over a host-resident KV cache copies
             # straight between them and the GPU without blocking the host.
-            if on_gpu:
-                parts = [torch.empty((n_blocks, *shape), dtype=dt, device=device) for shape, dt in pool.part_specs()]
-            else:
-                parts = [page_locked(n_blocks * math.prod(shape) * dt.itemsize, self._pinned).view(dt)
-                         .view(n_blocks, *shape) for shape, dt in pool.part_specs()]
+            pin = self._pinned and not on_gpu
+            parts = [torch.empty((n_blocks, *shape), dtype=dt, device=device, pin_memory=pin)
+                     for shape, dt in pool.part_specs()]
         except torch.OutOfMemoryError:
             if new_bytes > old_bytes:
                 self.accel.unbook(new_bytes - old_bytes, "kv")

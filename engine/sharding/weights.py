@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sharding.device import Accelerator, page_locked
+from engine.sharding.device import Accelerator, host_buffers
 
 _ALIGN = 256
 _FUSED = {"qkv.weight": ("q.weight", "k.weight", "v.weight"), "qkv.bias": ("q.bias", "k.bias", "v.bias"),
@@ -34,10 +34,16 @@ class TensorSlot:
     dtype: torch.dtype
 
 
+def packed_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes of a sub-layer's packed host buffer (each tensor aligned)."""
+    return sum((t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN for t in tensors.values())
+
+
 class SubLayerWeights:
     """The packed host buffer of one sub-layer and its layout."""
 
-    def __init__(self, name: str, tensors: dict[str, torch.Tensor], pin: bool):
+    def __init__(self, name: str, tensors: dict[str, torch.Tensor], pin: bool, buf: torch.Tensor | None = None):
+        """`buf`: the host buffer to pack into (`packed_bytes(tensors)` long); default one of its own."""
         self.name = name
         layout, off = [], 0
         for local, t in tensors.items():
@@ -46,7 +52,8 @@ class SubLayerWeights:
             off += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
         self.layout = tuple(layout)
         self.nbytes = off
-        buf = page_locked(off, pin)
+        if buf is None:
+            buf = host_buffers([off], pin)[0]
         for s, t in zip(layout, tensors.values()):
             buf[s.offset:s.offset + s.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
         self.host = buf
@@ -121,7 +128,9 @@ class WeightStore:
     def __init__(self, groups: dict[str, dict[str, torch.Tensor]], accel: Accelerator | None):
         self.accel = accel
         pin = accel is not None and accel.kind == "cuda"
-        self.sublayers = {name: SubLayerWeights(name, tensors, pin) for name, tensors in groups.items()}
+        bufs = host_buffers([packed_bytes(t) for t in groups.values()], pin)   # few pinned chunks, not one each
+        self.sublayers = {name: SubLayerWeights(name, tensors, pin, buf)
+                          for (name, tensors), buf in zip(groups.items(), bufs)}
         self.resident: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.slots: list[torch.Tensor] = []
         self.slot_bytes = 0

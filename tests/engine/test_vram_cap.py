@@ -3,6 +3,7 @@ the GPU machine, `SLIPSTREAM_TEST_DEVICE=cuda`); elsewhere the cap is not set.""
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -56,32 +57,46 @@ def test_overhead_follows_what_nvml_shows_beyond_the_allocator(monkeypatch):
     assert accel.overhead == high            # never lowered
 
 
-def test_unpinned_page_locked_buffer_is_plain_memory():
-    from engine.sharding.device import page_locked, page_locked_bytes
+def test_weights_of_an_8b_model_pack_into_few_pinned_chunks():
+    """The Llama-3-8B shape's sub-layer buffers (embedding, head, 32 attention and 32 FFN blocks) pinned
+    one block each would round up to 22 GB; packed into power-of-two chunks they cost under 1.05x."""
+    from engine.sharding.device import pack_chunks
 
-    before = page_locked_bytes()
-    buf = page_locked(3 * MiB + 5, pin=False)
-    assert buf.numel() == 3 * MiB + 5 and buf.dtype == torch.uint8
-    assert page_locked_bytes() == before
+    sizes = [1_050_673_152] * 2 + [83_894_272] * 32 + [352_329_728] * 32 + [8192]
+    chunk, bins = pack_chunks(sizes)
+    assert chunk == 1 << 30                  # the largest buffer (the head, 1.05 GB) fits in 1 GiB
+    placed = sorted((off, i) for _, items in bins for i, off in items)
+    assert sorted(i for _, i in placed) == list(range(len(sizes)))
+    for nbytes, items in bins:                 # within its chunk, no two buffers overlap
+        spans = sorted((off, off + sizes[i]) for i, off in items)
+        assert spans[-1][1] <= nbytes <= chunk
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+        assert all(off % 256 == 0 for _, off in items)
+    held = sum(n for n, _ in bins)
+    assert sum(sizes) <= held < 1.05 * sum(sizes)
+    one_each = sum(1 << (n - 1).bit_length() for n in sizes)
+    assert one_each > 1.4 * sum(sizes)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="registering host memory with the CUDA driver")
-def test_page_locked_buffers_cost_their_own_size_and_copy_asynchronously():
-    import gc
+def test_unpinned_host_buffers_are_plain_and_exact():
+    from engine.sharding.device import host_buffers
 
-    from engine.sharding.device import page_locked, page_locked_bytes
+    bufs = host_buffers([3 * MiB + 5, 17], pin=False)
+    assert [b.numel() for b in bufs] == [3 * MiB + 5, 17] and not any(b.is_pinned() for b in bufs)
 
-    before = page_locked_bytes()
-    n = 96 * MiB + 4096 + 7                    # PyTorch's pinned allocator would hold 128 MiB for it
-    buf = page_locked(n)
-    assert buf.is_pinned() and buf.numel() == n
-    assert page_locked_bytes() == before + n
-    buf.fill_(3)
-    out = buf.to("cuda", non_blocking=True)
-    back = page_locked(n)
-    back.copy_(out, non_blocking=True)
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="pinned host memory beside a CUDA GPU")
+def test_pinned_host_buffers_copy_asynchronously_and_hold_little_more_than_asked():
+    from engine.sharding.device import host_buffers
+
+    before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    sizes = [96 * MiB + 4096 + 7, 40 * MiB, 40 * MiB, 3 * MiB]
+    bufs = host_buffers(sizes, pin=True)
+    assert [b.numel() for b in bufs] == sizes and all(b.is_pinned() for b in bufs)
+    held = torch.cuda.host_memory_stats()["allocated_bytes.current"] - before
+    assert held <= 256 * MiB                 # one block each would hold 128 + 64 + 64 + 4 = 260 MiB
+    for i, b in enumerate(bufs):
+        b.fill_(i + 1)
+    outs = [b.to("cuda", non_blocking=True) for b in bufs]
     torch.cuda.synchronize()
-    assert int(back[n - 1]) == 3 and int(back.sum()) == 3 * n
-    del buf, back, out
-    gc.collect()
-    assert page_locked_bytes() == before
+    assert [int(o[-1]) for o in outs] == [1, 2, 3, 4] and int(outs[0].sum()) == sizes[0]
