@@ -11,7 +11,8 @@ The family (`Family`) is every placement described by four numbers, independent 
 - for k up to a quarter of the layers of a dense model: whether the attention of the layers past k runs
   on the CPU or streams to the GPU over its KV cache, which stays in host memory either way (each such
   step copies that layer's KV in and its new keys and values out: dear for decode, cheap beside a long
-  prompt's compute, so prefill tiers of small budgets, where the KV of every layer does not fit, take it).
+  prompt's compute, so prefill tiers of small budgets, where the KV of every layer does not fit, take it;
+  tiers below HKV_MIN_TIER never do).
 GPU attention that is not resident streams. The embedding (a gather of a few rows) stays in host memory,
 except in forced gpu_only plans, which put every sub-layer on the GPU. Kinds, by placement (the embedding
 gather does not count as CPU compute): `gpu_only` computes nothing on the CPU (non-resident sub-layers
@@ -56,6 +57,10 @@ _PLACEMENT = {CPU: Placement.CPU, RES: Placement.RESIDENT, STR: Placement.STREAM
 REFERENCE_DECODE = 256   # decode steps in the reference workload that `score` prices
 _M_STEPS = (*range(17), 20, 24, 28, 32, 45, 64, 90, 128)   # streamed FFN counts tried (one FFN moves a
 # decode step's balance between the CPU and the copy engine by several milliseconds: fine steps where it counts)
+# Attention over host-resident KV only for steps of at least this many tokens: each such layer's copies
+# and gathers cost the host thread (which also runs the CPU sub-layers) about a millisecond that the
+# estimator does not price, which a decode step cannot afford (H200, 4 GiB: 121 ms predicted, 208 run)
+HKV_MIN_TIER = 16
 _UNIT_LADDER = 0.15     # MoE: relative step of the resident prefix lengths tried
 _M_STEPS_MOE = (0, 1, 2, 4, 8, 16, 32, 64, 128)   # streamed unit counts tried for MoE models
 _PIPELINE_CELLS = 1 << 22   # members x sub-layers replayed at once (~50 bytes of working memory each)
@@ -267,7 +272,10 @@ class Planner:
         key = (kv_tokens, kind, group, ti)
         if key not in self._fronts:
             vram, ms = self._table(kv_tokens)
-            members = np.nonzero(self.family.masks[kind] & (self.family.group == group))[0]
+            sel = self.family.masks[kind] & (self.family.group == group)
+            if self.tiers[ti] < HKV_MIN_TIER:
+                sel &= ~self.family.hkv
+            members = np.nonzero(sel)[0]
             fam = self.family
             self._fronts[key] = (_Front(members, vram[members, ti], ms[members, ti], fam.n_str[members])
                                  if len(members) else None)

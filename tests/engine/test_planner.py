@@ -207,3 +207,27 @@ def test_small_budget_prefill_attends_on_the_gpu_over_host_resident_kv():
     cpu_ms = planner.estimator.estimate(on_cpu, prefill.tier, planning_context(prefill.tier, 4096),
                                         prefill.n_slots, 0)
     assert prefill.predicted_ms < cpu_ms
+
+
+def test_decode_tiers_never_attend_over_host_resident_kv():
+    """With the H200 profile's measured CPU attention block (1.5x the tables), a 4 GiB budget's cheapest
+    predicted decode would stream 24 attentions over host-resident KV; steps below HKV_MIN_TIER tokens
+    keep attention where its KV lives (their per-layer host work is not priced), larger ones may not."""
+    import json
+    from pathlib import Path
+
+    from engine.bench.shapes import get_shape
+    from engine.sharding.planner import HKV_MIN_TIER
+    from engine.sharding.profile import ProfileDatabase
+
+    data = json.loads((Path(__file__).parents[2] / "docs/benchmarks/profiles/h200-attn-factor.json").read_text())
+    prof = ProfileDatabase.from_dict(next(iter(data["profiles"].values())))
+    assert prof.cpu["attn_block_factor"]["1"] > 1.4
+    spec = ModelSpec.from_config(get_shape("llama3-8b"))
+    ps = Planner(spec, prof).plan(3275751424, kv_tokens=4096)
+    layers = range(spec.config.num_layers)
+    assert HKV_MIN_TIER > 4
+    for tier in (1, 4):                       # decode of one and of a few sequences
+        assert not any(ps.for_tokens(tier).host_kv_attention(i) for i in layers), tier
+    small = Planner(spec, prof).plan(1100 << 20, kv_tokens=4096)
+    assert any(small.for_tokens(1024).host_kv_attention(i) for i in layers)
