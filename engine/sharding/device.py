@@ -63,7 +63,7 @@ def _measure_overhead(device: torch.device) -> tuple[int, str]:
     return max(0, nvml - torch.cuda.memory_reserved(device)) + workspace, "measured with NVML"
 
 
-_ALIGN = 256
+HOST_ALIGN = 256          # host buffers and the tensors packed in them start at multiples of this
 MIN_CHUNK = 64 << 20
 
 
@@ -81,7 +81,7 @@ def pack_chunks(sizes: list[int]) -> tuple[int, list[tuple[int, list[tuple[int, 
     chunk = max(MIN_CHUNK, _pow2(max(sizes)))
     bins: list[list] = []          # [used, [(index, offset)]]
     for i in sorted(range(len(sizes)), key=lambda j: -sizes[j]):
-        n = -(-sizes[i] // _ALIGN) * _ALIGN
+        n = -(-sizes[i] // HOST_ALIGN) * HOST_ALIGN
         for b in bins:
             if b[0] + n <= chunk:
                 b[1].append((i, b[0]))

@@ -641,16 +641,14 @@ class PagedKVCache:
         come after the step, which ends by waiting for the stream."""
         pool = self.pools[layer]
         values = [t.contiguous() for t in self._quantized(pool, k.transpose(0, 1), v.transpose(0, 1))]
-        flat = self._slot_index(segments, torch.device("cpu")).tolist()
-        runs, a = [], 0
-        for i in range(1, len(flat) + 1):
-            if i == len(flat) or flat[i] != flat[i - 1] + 1:
-                runs.append((a, i))
-                a = i
+        flat = self._slot_index(segments, torch.device("cpu"))
+        cuts = (torch.nonzero(flat[1:] != flat[:-1] + 1).flatten() + 1).tolist()   # where a run of rows breaks
+        bounds = list(zip([0, *cuts], [*cuts, len(flat)]))
+        starts = flat[[a for a, _ in bounds]].tolist()
         for part, value in zip(pool.parts, values):
             rows = part.view(-1, *part.shape[2:])
-            for a, b in runs:
-                rows[flat[a]:flat[a] + b - a].copy_(value[a:b], non_blocking=True)
+            for (a, b), row in zip(bounds, starts):
+                rows[row:row + b - a].copy_(value[a:b], non_blocking=True)
 
     def read_to(self, layer: int, seq: Sequence, length: int, device: torch.device) -> tuple[torch.Tensor,
                                                                                               torch.Tensor]:

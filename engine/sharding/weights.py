@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.sharding.device import HOST_ALIGN as _ALIGN
 from engine.sharding.device import Accelerator, host_buffers
 
-_ALIGN = 256
 _FUSED = {"qkv.weight": ("q.weight", "k.weight", "v.weight"), "qkv.bias": ("q.bias", "k.bias", "v.bias"),
           "gate_up.weight": ("gate.weight", "up.weight")}
 
