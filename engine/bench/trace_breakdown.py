@@ -5,7 +5,8 @@ trace with one profiler range per sub-layer, named `<sub-layer>:<placement>`).
 
 Per kind of sub-layer and placement (e.g. `cpu/ffn`, `resident/attn`): how many ran, their mean wall time
 on the host thread that ran the step, and how much of it was outside any PyTorch op (the native CPU matmul,
-waits and Python), then the PyTorch ops taking the rest. A CPU sub-layer's time outside PyTorch ops is
+waits and Python), how many top-level PyTorch ops and CUDA kernel launches each issued (what the
+estimator's per-op host cost should count), then the PyTorch ops taking the rest. A CPU sub-layer's time outside PyTorch ops is
 mostly the native matmul: divided into its weight bytes it gives the rate the CPU really streamed at during
 decode, to set beside the profile's rate for the same matmuls. Also the step's copies and their rates,
 and how busy the copy engine, the CPU sub-layers and the GPU's kernels were over the traced steps.
@@ -35,11 +36,14 @@ def breakdown(events: list[dict]) -> dict:
     tid = labels[0]["tid"]
     ops = sorted((e for e in spans if e.get("cat") == "cpu_op" and e.get("tid") == tid), key=lambda e: e["ts"])
     starts = [o["ts"] for o in ops]
+    launches = sorted(e["ts"] for e in spans
+                      if e.get("cat") == "cuda_runtime" and e.get("tid") == tid and "LaunchKernel" in e.get("name", ""))
     kinds: dict[str, dict] = {}
     for lab in labels:
-        k = kinds.setdefault(kind_of(lab["name"]), {"n": 0, "us": 0.0, "outside_us": 0.0,
+        k = kinds.setdefault(kind_of(lab["name"]), {"n": 0, "us": 0.0, "outside_us": 0.0, "launches": 0,
                                                      "ops": collections.Counter(), "calls": collections.Counter()})
         a, b = lab["ts"], lab["ts"] + lab["dur"]
+        k["launches"] += bisect.bisect_left(launches, b) - bisect.bisect_left(launches, a)
         i, end, inside = bisect.bisect_left(starts, a), a, 0.0
         while i < len(ops) and ops[i]["ts"] < b:
             o = ops[i]
@@ -107,12 +111,14 @@ def busy_fractions(spans: list[dict], labels: list[dict]) -> dict[str, float]:
 
 
 def print_report(r: dict, top: int = 8) -> None:
-    print("| sub-layers | count | mean ms | outside PyTorch ops ms | top PyTorch ops (us per sub-layer) |")
-    print("|---|---|---|---|---|")
+    print("| sub-layers | count | mean ms | outside PyTorch ops ms | PyTorch ops / kernel launches each "
+          "| top PyTorch ops (us per sub-layer) |")
+    print("|---|---|---|---|---|---|")
     for name, k in sorted(r["kinds"].items()):
         n = k["n"]
         ops = ", ".join(f"{op.replace('aten::', '')} {us / n:.0f}" for op, us in k["ops"].most_common(top))
-        print(f"| {name} | {n} | {k['us'] / n / 1e3:.2f} | {k['outside_us'] / n / 1e3:.2f} | {ops} |")
+        counts = f"{sum(k['calls'].values()) / n:.0f} / {k['launches'] / n:.0f}"
+        print(f"| {name} | {n} | {k['us'] / n / 1e3:.2f} | {k['outside_us'] / n / 1e3:.2f} | {counts} | {ops} |")
     b = r["busy"]
     print()
     print(f"Over {b['span_ms']:.0f} ms of traced steps: weight copies {b['copies']:.0%}, CPU sub-layers "
