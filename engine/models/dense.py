@@ -51,23 +51,33 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
     attend(q, k, v) -> out [heads, n, head_dim], when given, replaces write, read and attention (a batched
     step: the projections run once over every sequence's tokens, attention per sequence).
     """
-    n = x.shape[0]
+    n, d, nh = x.shape[0], cfg.head_dim, cfg.num_heads
     h = rms_norm(x, w["attn_norm.weight"], cfg.rms_norm_eps)
     if "qkv.weight" in w and (not cfg.attention_bias or "qkv.bias" in w):
-        q, k, v = linear(h, w["qkv.weight"], w.get("qkv.bias")).split(
-            [cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        qkv = linear(h, w["qkv.weight"], w.get("qkv.bias"))
+        v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(n, cfg.num_kv_heads, d).transpose(0, 1)
+        if not cfg.qk_norm:     # RoPE over the query and key heads at once: the same arithmetic, one pass
+            qk = apply_rotary(qkv[:, :cfg.q_size + cfg.kv_size].reshape(n, nh + cfg.num_kv_heads, d)
+                              .transpose(0, 1), cos, sin)
+            return _attention_out(cfg, w, x, qk[:nh], qk[nh:], v, kv_write, kv_read, mask, attend)
+        q, k = qkv[:, :cfg.q_size], qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size]
     else:
         q = linear(h, w["q.weight"], w.get("q.bias"))
         k = linear(h, w["k.weight"], w.get("k.bias"))
-        v = linear(h, w["v.weight"], w.get("v.bias"))
-    q = q.reshape(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
-    k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-    v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+        v = linear(h, w["v.weight"], w.get("v.bias")).reshape(n, cfg.num_kv_heads, d).transpose(0, 1)
+    q = q.reshape(n, nh, d).transpose(0, 1)
+    k = k.reshape(n, cfg.num_kv_heads, d).transpose(0, 1)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
-    q = apply_rotary(q, cos, sin)
-    k = apply_rotary(k, cos, sin)
+    return _attention_out(cfg, w, x, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, kv_write, kv_read,
+                          mask, attend)
+
+
+def _attention_out(cfg: ModelConfig, w, x, q, k, v, kv_write, kv_read, mask, attend) -> torch.Tensor:
+    """Attention of the rotated q [heads, n, d] over the cache with this step's k and v, then the output
+    projection and the residual."""
+    n = x.shape[0]
     if attend is not None:
         out = attend(q, k, v)
     else:

@@ -38,9 +38,10 @@ from engine.sharding.spec import DTYPE_BYTES, ModelSpec, SubLayerSpec, routed_st
 
 __all__ = ["CPU", "HKV", "RES", "STR", "Estimator", "StepCosts", "step_costs"]
 CODE = {Placement.CPU: CPU, Placement.RESIDENT: RES, Placement.STREAMED: STR}
-OPS = {"embed": 1, "attn": 25, "ffn": 12, "head": 9, "router": 9, "experts": 1}   # kernels per sub-layer
+OPS = {"embed": 1, "attn": 20, "ffn": 12, "head": 9, "router": 9, "experts": 1}   # kernels per sub-layer
 # (attention, FFN and head: the kernel launches one decode step issues, counted in H200 traces by
-# engine.bench.trace_breakdown, session 5; the host pays each on either side)
+# engine.bench.trace_breakdown, session 5: 25 per attention, 5 fewer since RoPE runs over q and k at once;
+# the host pays each on either side)
 OPS_PER_EXPERT = 7     # kernels per touched expert (gather, gate/up, silu, mul, down, scale, index_add)
 OPS_PER_EXPERT_SINGLE = 5   # in a one-token step (gate/up, silu, mul, down, multiply-add)
 
