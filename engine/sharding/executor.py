@@ -305,7 +305,7 @@ class Executor:
             self._issue(slot, name, None if experts is False else experts)   # copies only what is missing
             if self.slot_ready[slot] is not None:      # None: nothing copied yet (no expert routed)
                 self.slot_ready[slot].wait_compute()
-            return self.store.sublayers[name].views(self.store.slots[slot])
+            return self.store.slot_views(slot, name)
         return self.store.sublayers[name].host_views
 
     # ---- one step ------------------------------------------------------------------------------

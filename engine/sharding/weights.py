@@ -134,6 +134,7 @@ class WeightStore:
         self.resident: dict[str, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.slots: list[torch.Tensor] = []
         self.slot_bytes = 0
+        self._slot_views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}   # dropped with the slots
 
     def nbytes(self, name: str) -> int:
         return self.sublayers[name].nbytes
@@ -164,7 +165,16 @@ class WeightStore:
         self.slot_bytes = slot_bytes
         self.slots = [self.accel.alloc(slot_bytes, "slots", "streaming slot") for _ in range(n_slots)]
 
+    def slot_views(self, slot: int, name: str) -> dict[str, torch.Tensor]:
+        """Views of sub-layer `name`'s tensors in streaming slot `slot`, cut once per slot and sub-layer
+        (a streamed sub-layer comes back to the same slot every step)."""
+        views = self._slot_views.get((slot, name))
+        if views is None:
+            views = self._slot_views[(slot, name)] = self.sublayers[name].views(self.slots[slot])
+        return views
+
     def drop_slots(self) -> None:
+        self._slot_views.clear()        # the views hold the slots' memory
         for buf in self.slots:
             self.accel.free(buf, "slots")
         self.slots, self.slot_bytes = [], 0

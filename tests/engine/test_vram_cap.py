@@ -100,3 +100,24 @@ def test_pinned_host_buffers_copy_asynchronously_and_hold_little_more_than_asked
     outs = [b.to("cuda", non_blocking=True) for b in bufs]
     torch.cuda.synchronize()
     assert [int(o[-1]) for o in outs] == [1, 2, 3, 4] and int(outs[0].sum()) == sizes[0]
+
+
+def test_slot_views_are_cut_once_and_dropped_with_their_slots():
+    """A streamed sub-layer's views into its slot are reused step after step, and never outlive the slots
+    (they would hold the slots' memory after a budget drop)."""
+    from engine.sharding.weights import WeightStore
+
+    accel = Accelerator("sim")
+    accel.budget = 1 << 30
+    ffn = {"gate.weight": torch.randn(64, 4), "up.weight": torch.randn(64, 4), "down.weight": torch.randn(4, 64)}
+    store = WeightStore({"layers.0.ffn": ffn, "layers.1.ffn": {k: v + 1 for k, v in ffn.items()}}, accel)
+    store.set_slots(2, store.nbytes("layers.0.ffn"))
+    first = store.slot_views(0, "layers.0.ffn")
+    assert store.slot_views(0, "layers.0.ffn") is first
+    assert first["gate_up.weight"].data_ptr() == store.slots[0].data_ptr()
+    assert store.slot_views(1, "layers.1.ffn")["down.weight"].data_ptr() != first["down.weight"].data_ptr()
+    store.drop_slots()
+    assert store._slot_views == {}
+    store.set_slots(1, store.nbytes("layers.0.ffn"))
+    again = store.slot_views(0, "layers.0.ffn")
+    assert again is not first and again["gate_up.weight"].data_ptr() == store.slots[0].data_ptr()
