@@ -81,6 +81,59 @@ def machine_info() -> dict:
     return info
 
 
+def _cpu_ticks() -> tuple[int, int] | None:
+    """(all, steal) jiffies of the host's CPUs from /proc/stat (None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(fields[:8]), (fields[7] if len(fields) > 7 else 0)
+
+
+def lease_probe(weight_mib: int = 1024, min_s: float = 1.0, copy_mib: int = 256) -> dict:
+    """How fast this machine is right now, in about two seconds: one-token bf16 matmuls over `weight_mib`
+    of weights through the engine's CPU path (more than the caches hold), the share of CPU time the
+    hypervisor stole meanwhile, and (with a GPU) pinned host -> GPU copies. Lent machines differ from
+    lease to lease (up to 1.9x for the same plan, docs/benchmarks/README.md, session 5); each part records
+    this beside its rows."""
+    import torch
+
+    from engine.models.dense import linear
+
+    rows = 4096
+    n = max(1, weight_mib * (1 << 20) // (2 * rows * 4096))
+    ws = [torch.full((rows, 4096), 0.01, dtype=torch.bfloat16) for _ in range(n)]   # values do not matter
+    x = torch.full((1, 4096), 0.5, dtype=torch.bfloat16)
+    for w in ws[:2]:
+        linear(x, w)
+    before, t0, done = _cpu_ticks(), time.perf_counter(), 0
+    while True:
+        for w in ws:
+            linear(x, w)
+        done += 1
+        if time.perf_counter() - t0 >= min_s:
+            break
+    sec = time.perf_counter() - t0
+    after = _cpu_ticks()
+    out = {"cpu_gemv_gbps": round(done * n * 2 * rows * 4096 / sec / 1e9, 2), "cpu_threads": torch.get_num_threads(),
+           "steal_share": (round((after[1] - before[1]) / max(after[0] - before[0], 1), 4)
+                           if before and after else None),
+           "loadavg": [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+           "h2d_gbps": None}
+    if torch.cuda.is_available():
+        src = torch.empty(copy_mib << 20, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty_like(src, device="cuda")
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(8):
+            dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        out["h2d_gbps"] = round(8 * src.numel() / (time.perf_counter() - t) / 1e9, 2)
+    return out
+
+
 def write_report(out: Path, name: str, payload: dict, command: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     payload = {"command": command, "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -210,6 +210,18 @@ def corun_table(corun: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def probe_lines(parts: dict) -> str:
+    """How fast each part's lease was when it started (parts recorded before the probe existed: none)."""
+    lines = [f"- {name}: " + "; ".join(f"{p.get('at', '?')[:16]} CPU {p.get('cpu_gemv_gbps')} GB/s, host->GPU "
+                                       f"{p.get('h2d_gbps')} GB/s, steal {p.get('steal_share')}" for p in probes)
+             for name, info in sorted(parts.items()) if (probes := info.get("lease_probes"))]
+    if not lines:
+        return ""
+    return ("## Leases\n\nLent machines differ from lease to lease; each part's run starts with a two-second "
+            "probe (`engine.bench.gpu_common.lease_probe`): one-token bf16 matmuls over 1 GiB on the CPU, "
+            "pinned host->GPU copies, the CPU time the hypervisor stole.\n\n" + "\n".join(lines) + "\n\n")
+
+
 def markdown(result: dict) -> str:
     m = result["machine"]
     notes = "\n".join(f"- {n}" for n in result["notes"])
@@ -220,6 +232,7 @@ def markdown(result: dict) -> str:
             f"issue sets a target, llama.cpp-default and the bound); targets apply to {TARGET_AT[0]} at "
             f"{TARGET_AT[1]}, other rows are reported.\n\n{ratio_table(result.get('ratios') or [])}\n\n"
             f"## Co-run (game stand-in on the same GPU)\n\n{corun_table(result['corun'])}\n\n"
+            f"{probe_lines(result.get('parts') or {})}"
             f"## Other GPU runs (issues 7 and 8; docs/benchmarks/README.md explains them)\n\n"
             f"{related_table(result.get('related') or [])}\n\n"
             "Plots: `results_decode.png`, `results_prefill.png`, `corun_timeline.png`.\n")
@@ -316,8 +329,8 @@ def merge(folders: list[Path], out: Path, dry_run: bool = False, say=print) -> i
     result = {"machine": machine, "date": now_iso(), "rows": rows, "ratios": ratios(rows), "corun": corun,
               "notes": notes,
               "related": related(out),
-              "parts": {n: {k: p.get(k) for k in ("started", "updated")} | {"commands": p.get("meta", {})
-                                                                              .get("commands")}
+              "parts": {n: {k: p.get(k) for k in ("started", "updated")}
+                        | {k: p.get("meta", {}).get(k) for k in ("commands", "lease_probes")}
                         for n, p in parts.items()}}
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str) + "\n")

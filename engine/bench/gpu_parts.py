@@ -10,7 +10,7 @@ import tarfile
 from pathlib import Path
 
 from engine.bench import llamacpp_build as lb
-from engine.bench.partials import Deadline, Partial
+from engine.bench.partials import Deadline, Partial, now_iso
 from engine.bench.scenarios import budgets as pick_budgets
 from engine.bench.scenarios import pick
 
@@ -34,6 +34,13 @@ def run_part(name: str, args, machine: dict, command: str) -> int:
                    None if internal or not args.prior else Path(args.prior), machine)
     part.meta.setdefault("commands", []).append(command)
     part.meta["dry_run"] = bool(args.dry_run)
+    if not internal:
+        from engine.bench.gpu_common import lease_probe
+
+        probe = dict(lease_probe(64, 0.1, 16) if args.dry_run else lease_probe(), at=now_iso())   # dry: a taste
+        part.meta.setdefault("lease_probes", []).append(probe)
+        say(f"lease probe: CPU one-token matmuls {probe['cpu_gemv_gbps']} GB/s, host->GPU {probe['h2d_gbps']} GB/s, "
+            f"steal {probe['steal_share']}, load {probe['loadavg']}")
     part.save()
     deadline = Deadline(args.deadline_epoch)
     try:

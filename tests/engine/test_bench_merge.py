@@ -51,6 +51,9 @@ def test_merge_writes_results_with_bound_rows_sorted_and_a_table(tmp_path, monke
                                                           {"tokens": 4096, "plan": "gpu_only"}]},
                decode_batch4_tps=None, decode_batch_note="not supported yet (batching comes later)"))
     s.add(_row("slipstream", "2GiB", 4.0))
+    s.meta["lease_probes"] = [{"at": "2026-11-29T19:50:00+00:00", "cpu_gemv_gbps": 81.5, "h2d_gbps": 55.1,
+                               "steal_share": 0.02}]
+    s.save()
     ll = Partial(out, "llamacpp")
     ll.add(_row("llama.cpp-tuned", "4GiB", 6.7, plan={"x": 33, "flags": ["-ngl", "33"]}, fits=True))
     ll.add(_row("llama.cpp-default", "4GiB", 5.7, plan={"x": 7, "flags": ["-ngl", "7"]}, fits=False))
@@ -79,6 +82,18 @@ def test_merge_writes_results_with_bound_rows_sorted_and_a_table(tmp_path, monke
     assert (res_dir / "results_decode.png").stat().st_size > 1000
     assert (res_dir / "corun_timeline.png").stat().st_size > 1000
     assert table([]).count("\n") == 1
+    assert "- slipstream: 2026-11-29T19:50 CPU 81.5 GB/s, host->GPU 55.1 GB/s, steal 0.02" in md
+    assert result["parts"]["slipstream"]["lease_probes"][0]["cpu_gemv_gbps"] == 81.5
+    assert result["parts"]["llamacpp"]["lease_probes"] is None and "- llamacpp:" not in md
+
+
+def test_lease_probe_times_the_cpu_path_and_reads_steal_time():
+    from engine.bench.gpu_common import lease_probe
+
+    p = lease_probe(weight_mib=16, min_s=0.05)
+    assert p["cpu_gemv_gbps"] > 0 and p["cpu_threads"] >= 1
+    assert p["steal_share"] is None or 0 <= p["steal_share"] <= 1
+    assert (p["h2d_gbps"] is None) == (not __import__("torch").cuda.is_available())
 
 
 def test_ratios_compare_with_the_fastest_fitting_llamacpp_row_and_judge_the_targets():
