@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         "o linear": lambda i: dense.linear(attn_out, blocks[i % len(blocks)]["o.weight"]),
     }
     rows = {name: timed(fn, args.reps) for name, fn in parts.items()}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        block(0)
+    ops = sum(1 for e in prof.events() if e.cpu_parent is None)   # top-level PyTorch ops of one block
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -124,10 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, ms in rows.items():
         print(f"  {name:28s} {ms * 1e3:8.0f} us")
     parts_sum = sum(v for n, v in rows.items() if n not in ("block", "block, PyTorch on 1 thread"))
-    print(f"  {'sum of the parts':28s} {parts_sum * 1e3:8.0f} us; block at {nbytes / rows['block'] / 1e6:.0f} GB/s")
+    print(f"  {'sum of the parts':28s} {parts_sum * 1e3:8.0f} us; block at {nbytes / rows['block'] / 1e6:.0f} GB/s, "
+          f"{ops} top-level PyTorch ops")
     if args.out is not None:
         write_report(args.out, "cpu_attention_parts", {"ctx": args.ctx, "threads": threads, "weights_bytes": nbytes,
-                                                       "ms": rows},
+                                                       "ms": rows, "ops_per_block": ops},
                      " ".join(["python -m engine.bench.cpu_attention_parts", *(argv or sys.argv[1:])]))
     return 0
 

@@ -11,4 +11,5 @@ def test_parts_and_block_are_timed(tmp_path, capsys):
     assert set(rep["ms"]) == {"block", "rms_norm", "qkv linear", "rope q and k", "kv write", "kv read", "sdpa",
                               "o linear", "block, PyTorch on 1 thread"}
     assert all(v > 0 for v in rep["ms"].values())
+    assert 30 < rep["ops_per_block"] < 60
     assert "sum of the parts" in capsys.readouterr().out
