@@ -122,16 +122,22 @@ def lease_probe(weight_mib: int = 1024, min_s: float = 1.0, copy_mib: int = 256)
            "loadavg": [round(v, 2) for v in os.getloadavg()] if hasattr(os, "getloadavg") else None,
            "h2d_gbps": None}
     if torch.cuda.is_available():
-        src = torch.empty(copy_mib << 20, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty_like(src, device="cuda")
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(8):
-            dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        out["h2d_gbps"] = round(8 * src.numel() / (time.perf_counter() - t) / 1e9, 2)
+        out["h2d_gbps"] = round(h2d_gbps(torch.empty(copy_mib << 20, dtype=torch.uint8, pin_memory=True), 8), 2)
     return out
+
+
+def h2d_gbps(src, reps: int = 10, dst=None) -> float:
+    """Host -> GPU copy rate of `src` (into `dst`, default a new GPU tensor): `reps` copies after one."""
+    import torch
+
+    dst = torch.empty_like(src, device="cuda") if dst is None else dst
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    return src.numel() * src.element_size() * reps / (time.perf_counter() - t) / 1e9
 
 
 def write_report(out: Path, name: str, payload: dict, command: str) -> Path:

@@ -10,25 +10,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from engine.bench.gpu_common import write_report
+from engine.bench.gpu_common import h2d_gbps, write_report
 from engine.sharding.device import host_buffers
 
 MiB = 1 << 20
-
-
-def rate_gbps(src: torch.Tensor, dst: torch.Tensor, reps: int) -> float:
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    return src.numel() * reps / (time.perf_counter() - t) / 1e9
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = {}
     for name, src in kinds.items():
         src.fill_(1)
-        rows[name] = round(rate_gbps(src, dst, args.reps), 2)
+        rows[name] = round(h2d_gbps(src, args.reps, dst), 2)
         print(f"  {name:28s} {rows[name]:6.1f} GB/s", flush=True)
     if registered:
         cudart.cudaHostUnregister(plain.data_ptr())

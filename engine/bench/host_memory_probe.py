@@ -15,6 +15,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from engine.bench.gpu_common import h2d_gbps
+
 ROWS, COLS = 14336, 4096
 MADV_HUGEPAGE = 14
 
@@ -31,16 +33,6 @@ def gemv_gbps(w: torch.Tensor, reps: int = 30) -> float:
         runs.append(w.numel() * w.element_size() * reps / (time.perf_counter() - t0) / 1e9)
     return statistics.median(runs)
 
-
-def h2d_gbps(src: torch.Tensor) -> float:
-    dst = torch.empty_like(src, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    return src.numel() * src.element_size() * 10 / (time.perf_counter() - t0) / 1e9
 
 
 def registered(nbytes: int) -> torch.Tensor:
