@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -304,15 +305,27 @@ ATTN_CTX = 256          # cached tokens of the attention block measurement (a sh
 ATTN_TOKENS = (1, 16)   # new tokens per measured attention step
 
 
+class AttentionBlocks(NamedTuple):
+    cfg: object              # the ModelConfig of the measured shape (one layer per weight copy)
+    run: Callable            # run(i, x [n, hidden]) -> the block's output, weight copy i % count
+    nbytes: int              # weight bytes of one block
+    dtype: str
+    blocks: list             # each copy's weight views, as the executor packs them
+    kv: object               # the PagedKVCache the blocks write and read
+    seq: object              # the measured sequence (ctx cached tokens)
+    steps: dict              # n -> (cos, sin, mask) of a step of n new tokens
+
+
 @torch.inference_mode()
-def _attention_blocks(sizes: Sizes, ctx: int = ATTN_CTX, n_max: int = max(ATTN_TOKENS)):
-    """(cfg, run(i, x), bytes per block, dtype) over attention blocks of the profile's shape as the
-    executor runs one sequence's step on the CPU: each block's weights packed in a host buffer as the
-    executor packs them (pinned when `sizes.pinned`, the fused `qkv.weight` view), its new keys and values
-    written to a paged KV cache holding `ctx` tokens and the context read back (the sequence's blocks
-    interleaved with another's, so the read gathers them, as a cache shared by several sequences does),
-    cycling through more weight bytes than the caches hold. x [n, hidden] at positions ctx..ctx+n-1;
-    in inference mode, as the executor runs."""
+def _attention_blocks(sizes: Sizes, ctx: int = ATTN_CTX, n_max: int = max(ATTN_TOKENS),
+                      interleave: bool = True) -> AttentionBlocks:
+    """Attention blocks of the profile's shape as the executor runs one sequence's step on the CPU: each
+    block's weights packed in a host buffer as the executor packs them (pinned when `sizes.pinned`, the
+    fused `qkv.weight` view), its new keys and values written to a paged KV cache holding `ctx` tokens
+    and the context read back (with `interleave`, the sequence's blocks alternate with another's, so the
+    read gathers them, as a cache shared by several sequences does), cycling through more weight bytes
+    than the caches hold. x [n, hidden] at positions ctx..ctx+n-1; in inference mode, as the executor
+    runs."""
     from engine.config import ModelConfig
     from engine.models.dense import attention_block, attention_mask
     from engine.models.rope import RotaryTable
@@ -336,7 +349,7 @@ def _attention_blocks(sizes: Sizes, ctx: int = ATTN_CTX, n_max: int = max(ATTN_T
     kv = PagedKVCache(cfg, dt, None)
     seq, other = Sequence(), Sequence()
     while seq.length < ctx + n_max:                         # one block each in turn
-        for s in (seq, other):
+        for s in (seq, other) if interleave else (seq,):
             kv.reserve(s, BLOCK_SIZE)
             s.length += BLOCK_SIZE
     seq.length = ctx
@@ -361,7 +374,7 @@ def _attention_blocks(sizes: Sizes, ctx: int = ATTN_CTX, n_max: int = max(ATTN_T
         with torch.inference_mode():
             return attention_block(cfg, blocks[layer], x, cos, sin, None, None, None, attend=attend)
 
-    return cfg, run, nbytes, dtype
+    return AttentionBlocks(cfg, run, nbytes, dtype, blocks, kv, seq, steps)
 
 
 def attn_block_factors(sizes: Sizes, sec: dict, ctx: int = ATTN_CTX) -> dict:
@@ -375,7 +388,7 @@ def attn_block_factors(sizes: Sizes, sec: dict, ctx: int = ATTN_CTX) -> dict:
     from engine.sharding.profile import ProfileDatabase
     from engine.sharding.spec import ModelSpec
 
-    cfg, run, _, dtype = _attention_blocks(sizes, ctx)
+    cfg, run, _, dtype, *_ = _attention_blocks(sizes, ctx)
     sub = next(s for s in ModelSpec.from_config(replace(cfg, num_layers=1)).sublayers if s.kind == "attn")
     raw = ProfileDatabase({"device": "cpu", "cpu": {k: v for k, v in sec.items()
                                                      if k not in ("block_factor", "attn_block_factor")}})

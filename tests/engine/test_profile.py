@@ -252,7 +252,7 @@ def test_attention_block_measured_on_a_tiny_shape():
     assert d["ctx"] == 32 and d["kv_heads"] == 2
     assert all(d["measured_ms"][n] > 0 and d["predicted_ms"][n] > 0 for n in ("1", "16"))
     # kv heads that do not divide the query heads (a default of 8 on a 4-head shape) fall back to a divisor
-    cfg, run, nbytes, _ = measure._attention_blocks(replace(TINY, kv_heads=8), ctx=32)
+    cfg, run, nbytes, *_ = measure._attention_blocks(replace(TINY, kv_heads=8), ctx=32)
     assert cfg.num_kv_heads == 4 and nbytes == 2 * (64 + 4 * 64 * 64) and cfg.num_layers == 256 * 1024 // nbytes
     assert run(3, torch.randn(16, 64, dtype=torch.bfloat16)).shape == (16, 64)
 
