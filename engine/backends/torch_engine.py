@@ -149,7 +149,9 @@ class TorchEngine(Engine):
         self._profile = profile
         self.planset = None
         self._pending_budget: int | None = None
+        self._pending_reason = "set_vram_budget"
         self._budget_lock = threading.Lock()
+        self._refining = False                    # a thread prices the plans of a cut KV capacity
         self.replans: list[dict] = []             # history of re-plans (time, budget, reason, ms)
         self.speculative = speculative            # None: greedy decoding speculates where measured to pay
         self.spec_stats = {"proposed": 0, "accepted": 0}
@@ -216,14 +218,50 @@ class TorchEngine(Engine):
             self._planner = Planner(self.spec, prof, tiers=self.tiers)
         return self._planner
 
-    def _make_planset(self, budget: int):
+    def _make_planset(self, budget: int, kv_tokens: int | None = None):
         if self.accel is None:
             from engine.sharding.plan import Plan, PlanSet
 
             cpu = {s.name: Placement.CPU for s in self.spec.sublayers}
             return PlanSet(0, [Plan(t, "static", dict(cpu), 0) for t in self.tiers])
         kind = None if self._forced == "auto" else self._forced
-        return self.planner().plan(budget, kv_tokens=self.kv_tokens, force_kind=kind)
+        return self.planner().plan(budget, kv_tokens=self.kv_tokens if kv_tokens is None else kv_tokens,
+                                   force_kind=kind)
+
+    def _kv_to_plan_for(self, shrinking: bool) -> int:
+        """The KV capacity a re-plan prices. A budget drop that cut the KV capacity to one never priced
+        before plans with the nearest larger capacity already priced (its plans book more KV than needed,
+        so they fit) and prices the exact one in the background, re-planning when it is ready: the game's
+        memory comes back in milliseconds, not after the second an 8B model's tables take."""
+        planner = self.planner()
+        if not shrinking or planner.has_table(self.kv_tokens):
+            return self.kv_tokens
+        near = planner.nearest_table(self.kv_tokens)
+        if near is None:
+            return self.kv_tokens
+        self._refine_in_background()
+        return near
+
+    def _refine_in_background(self) -> None:
+        with self._budget_lock:
+            if self._refining:
+                return
+            self._refining = True
+
+        def run() -> None:
+            try:
+                while self.executor is not None:
+                    kv = self.kv_tokens
+                    self.planner().warm(kv)
+                    if kv == self.kv_tokens:
+                        break
+            finally:
+                with self._budget_lock:
+                    self._refining = False
+            if self.executor is not None:
+                self._post_budget(None, f"plans for {self.kv_tokens} KV tokens priced")
+
+        threading.Thread(target=run, name="slipstream-plan-refine", daemon=True).start()
 
     def _set_budget_now(self, budget: int, reason: str) -> None:
         """Re-plan for `budget` and bring memory to the new plan (called with the engine idle or at a
@@ -235,7 +273,7 @@ class TorchEngine(Engine):
         shrinking = self.accel is not None and room < self.accel.budget
         if shrinking:
             self._cut_kv_to_use()
-        planset = self._make_planset(room)
+        planset = self._make_planset(room, self._kv_to_plan_for(shrinking))
         if self.accel is not None and not shrinking:
             self.accel.budget = room
             self.accel.cap_allocator(budget)
@@ -255,10 +293,27 @@ class TorchEngine(Engine):
             return False
         with self._budget_lock:
             budget, self._pending_budget = self._pending_budget, None
+            reason, self._pending_reason = self._pending_reason, "set_vram_budget"
         if budget is None:
             return False
-        self._set_budget_now(budget, "set_vram_budget")
+        self._set_budget_now(budget, reason)
         return True
+
+    def _post_budget(self, budget: int | None, reason: str) -> None:
+        """Queue a re-plan for `budget` (None: the budget in force, unless another is already queued) and
+        apply it now if the engine is idle, else at the next sub-layer boundary."""
+        with self._budget_lock:
+            if budget is None:
+                if self._pending_budget is not None:
+                    return
+                budget = self.budget
+            self._pending_budget, self._pending_reason = budget, reason
+        if self._lock.acquire(blocking=False):   # idle: apply now, in the caller's thread
+            try:
+                if self.executor is not None:
+                    self._apply_pending_budget()
+            finally:
+                self._lock.release()
 
     def set_vram_budget(self, n_bytes) -> None:
         """Re-plan for a new budget (bytes or "4GiB"; None = what the driver reports free, less a
@@ -269,13 +324,7 @@ class TorchEngine(Engine):
             # A CPU-only engine has no VRAM to use; the budget is recorded and has no effect.
             self.budget = budget
             return
-        with self._budget_lock:
-            self._pending_budget = budget
-        if self._lock.acquire(blocking=False):   # idle: apply now, in the caller's thread
-            try:
-                self._apply_pending_budget()
-            finally:
-                self._lock.release()
+        self._post_budget(budget, "set_vram_budget")
 
     def force_plan(self, kind: str) -> None:
         if kind != "auto" and kind not in PLAN_KINDS:

@@ -102,7 +102,7 @@ def static_plan(eng):
     placement = {s.name: Placement.CPU if s.kind in ("experts", "embed") else Placement.RESIDENT
                  for s in eng.spec.sublayers}
     planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), 0) for t in eng.tiers])
-    eng._make_planset = lambda budget, ps=planset: ps
+    eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
     eng.set_vram_budget(eng.budget)
 
 

@@ -268,6 +268,21 @@ class Planner:
             self._tables[kv_tokens] = (vram, ms)
         return self._tables[kv_tokens]
 
+    def has_table(self, kv_tokens: int) -> bool:
+        """Whether plans for this KV capacity are ready (the member tables take about a second to price
+        for an 8B model: a budget drop must not wait for them)."""
+        return self.family is None or max(int(kv_tokens), 0) in self._tables
+
+    def nearest_table(self, kv_tokens: int) -> int | None:
+        """The smallest KV capacity at least `kv_tokens` whose tables are ready: its plans book at least
+        the KV this capacity needs, so they fit wherever they say they fit."""
+        return min((k for k in list(self._tables) if k >= kv_tokens), default=None)
+
+    def warm(self, kv_tokens: int) -> None:
+        """Price the tables of this KV capacity now (a background thread's job)."""
+        if self.family is not None:
+            self._table(max(int(kv_tokens), 0))
+
     def _front(self, kv_tokens: int, kind: str, group: int, ti: int) -> _Front | None:
         key = (kv_tokens, kind, group, ti)
         if key not in self._fronts:

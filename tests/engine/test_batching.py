@@ -395,7 +395,7 @@ def test_batch_over_host_resident_kv_matches_alone(tiny_model):
     eng = open_batched(path, "sim", None)
     ffn_sides = [Placement.CPU, Placement.STREAMED, Placement.RESIDENT]
 
-    def host_kv(budget):
+    def host_kv(budget, kv_tokens=None):
         plans = []
         for j, t in enumerate(eng.tiers):
             placement = {s.name: Placement.CPU for s in eng.spec.sublayers}

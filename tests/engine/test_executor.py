@@ -28,7 +28,7 @@ def random_planset(eng, rng: random.Random, n_slots: int) -> PlanSet:
 
 
 def force_planset(eng, planset: PlanSet) -> None:
-    eng._make_planset = lambda budget: planset
+    eng._make_planset = lambda budget, kv_tokens=None: planset
     eng.set_vram_budget(eng.budget)
 
 
@@ -37,7 +37,7 @@ def no_planner(monkeypatch):
     """Open every engine here on an all-CPU plan; each test then forces its own placements."""
     from engine.backends.torch_engine import TorchEngine
 
-    def all_cpu(self, budget):
+    def all_cpu(self, budget, kv_tokens=None):
         return PlanSet(budget, [Plan(t, "manual", {s.name: Placement.CPU for s in self.spec.sublayers}, 0)
                                 for t in self.tiers])
 

@@ -303,3 +303,48 @@ def test_host_kv_option(tiny_model):
     eng.close()
     with pytest.raises(BadInputError, match="host_kv_gib"):
         engine.open_model(path, device="sim", backend="torch", host_kv_gib=-1)
+
+
+def test_budget_drop_does_not_wait_for_new_plan_tables(tiny_model, monkeypatch):
+    """A drop that cuts the KV capacity to one never priced plans at once from the nearest larger priced
+    capacity (whose plans book more KV, so they fit) and prices the exact one on another thread, then
+    re-plans: the caller's thread never builds a member table for the cut capacity."""
+    import threading
+    import time
+
+    from engine.sharding.planner import Planner
+
+    built: list[tuple[int, str]] = []
+    real = Planner._table
+
+    def spy(self, kv_tokens):
+        if kv_tokens not in self._tables:
+            built.append((kv_tokens, threading.current_thread().name))
+        return real(self, kv_tokens)
+
+    monkeypatch.setattr(Planner, "_table", spy)
+    path = tiny_model("llama")
+    eng = open_gpu_side(path, "auto")
+    ref = engine.open_model(path, device="cpu", backend="torch", speculative=False, host_kv_gib=0)
+    want = greedy(ref, LONG_A, n=12)
+    assert greedy(eng, LONG_A, n=12) == want
+    high, before = eng.budget, eng.kv_tokens
+    planner = eng.planner()                         # as after open: only the capacity in use is priced
+    planner._tables = {k: v for k, v in planner._tables.items() if k == before}
+    planner._fronts = {k: v for k, v in planner._fronts.items() if k[0] == before}
+    built.clear()
+    eng.set_vram_budget(high * 3 // 4)
+    cut = eng.kv_tokens
+    assert cut < before
+    assert (cut, threading.current_thread().name) not in built
+    planned = {p.kv_tokens for p in eng.planset.plans}
+    assert planned == {before}                      # planned with the priced, larger capacity
+    assert eng.accel.total_used <= eng.accel.usable(eng.budget)
+    deadline = time.monotonic() + 60
+    while {p.kv_tokens for p in eng.planset.plans} != {cut} and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert {p.kv_tokens for p in eng.planset.plans} == {cut}
+    assert (cut, "slipstream-plan-refine") in built
+    assert eng.replans[-1]["reason"] == f"plans for {cut} KV tokens priced"
+    assert greedy(eng, LONG_A, n=12) == want
+    eng.close()

@@ -252,7 +252,7 @@ def test_random_placements_match_cpu(tiny_model):
     for n_slots in (1, 2, 3):
         placement = {n: rng.choice(list(Placement)) for n in names}
         planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), n_slots) for t in eng.tiers])
-        eng._make_planset = lambda budget, ps=planset: ps
+        eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
         eng.set_vram_budget(eng.budget)
         assert rel_err(eng.score(IDS[:40]), want) < (1e-5 if DEVICE == "sim" else 1e-3)
         assert eng.accel.total_used <= eng.budget

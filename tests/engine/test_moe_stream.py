@@ -32,7 +32,7 @@ R, S, C = Placement.RESIDENT, Placement.STREAMED, Placement.CPU
 def use_placement(eng, placement: dict, n_slots: int = 2) -> None:
     """Run every tier of `eng` under `placement` (a manual plan, as a forced plan would be)."""
     planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), n_slots) for t in eng.tiers])
-    eng._make_planset = lambda budget, ps=planset: ps
+    eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
     eng.set_vram_budget(eng.budget)
 
 
