@@ -228,13 +228,14 @@ class TorchEngine(Engine):
         return self.planner().plan(budget, kv_tokens=self.kv_tokens if kv_tokens is None else kv_tokens,
                                    force_kind=kind)
 
-    def _kv_to_plan_for(self, shrinking: bool) -> int:
-        """The KV capacity a re-plan prices. A budget drop that cut the KV capacity to one never priced
-        before plans with the nearest larger capacity already priced (its plans book more KV than needed,
-        so they fit) and prices the exact one in the background, re-planning when it is ready: the game's
-        memory comes back in milliseconds, not after the second an 8B model's tables take."""
+    def _kv_to_plan_for(self) -> int:
+        """The KV capacity a re-plan prices. One never priced before (a budget drop cut the capacity, or the
+        conversation grew it) is planned with the nearest larger capacity already priced, whose plans book
+        more KV than needed and so fit, while a thread prices the exact one and re-plans when it is ready:
+        the game's memory comes back in milliseconds, and decode does not stall, instead of waiting the
+        second or two an 8B model's member tables take."""
         planner = self.planner()
-        if not shrinking or planner.has_table(self.kv_tokens):
+        if planner.has_table(self.kv_tokens):
             return self.kv_tokens
         near = planner.nearest_table(self.kv_tokens)
         if near is None:
@@ -273,7 +274,7 @@ class TorchEngine(Engine):
         shrinking = self.accel is not None and room < self.accel.budget
         if shrinking:
             self._cut_kv_to_use()
-        planset = self._make_planset(room, self._kv_to_plan_for(shrinking))
+        planset = self._make_planset(room, None if self.accel is None else self._kv_to_plan_for())
         if self.accel is not None and not shrinking:
             self.accel.budget = room
             self.accel.cap_allocator(budget)

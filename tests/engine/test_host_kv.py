@@ -346,5 +346,12 @@ def test_budget_drop_does_not_wait_for_new_plan_tables(tiny_model, monkeypatch):
     assert {p.kv_tokens for p in eng.planset.plans} == {cut}
     assert (cut, "slipstream-plan-refine") in built
     assert eng.replans[-1]["reason"] == f"plans for {cut} KV tokens priced"
-    assert greedy(eng, LONG_A, n=12) == want
+    planner.warm(eng.max_kv_tokens)                 # growing: only a larger capacity is priced
+    planner._tables.pop(before)
+    planner._fronts = {k: v for k, v in planner._fronts.items() if k[0] != before}
+    built.clear()
+    assert greedy(eng, LONG_A, n=12) == want        # the conversation grows the capacity past the cut
+    grown = eng.kv_tokens
+    assert cut < grown < eng.max_kv_tokens
+    assert (grown, threading.current_thread().name) not in built
     eng.close()
