@@ -56,11 +56,12 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
     if "qkv.weight" in w and (not cfg.attention_bias or "qkv.bias" in w):
         qkv = linear(h, w["qkv.weight"], w.get("qkv.bias"))
         v = qkv[:, cfg.q_size + cfg.kv_size:].reshape(n, cfg.num_kv_heads, d).transpose(0, 1)
-        if not cfg.qk_norm:     # RoPE over the query and key heads at once: the same arithmetic, one pass
-            qk = apply_rotary(qkv[:, :cfg.q_size + cfg.kv_size].reshape(n, nh + cfg.num_kv_heads, d)
-                              .transpose(0, 1), cos, sin)
-            return _attention_out(cfg, w, x, qk[:nh], qk[nh:], v, kv_write, kv_read, mask, attend)
-        q, k = qkv[:, :cfg.q_size], qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size]
+        # Norms and RoPE over the query and key heads at once: the same arithmetic, one pass each
+        qk = qkv[:, :cfg.q_size + cfg.kv_size].reshape(n, nh + cfg.num_kv_heads, d)
+        if cfg.qk_norm:
+            qk = _qk_normed(cfg, w, qk)
+        qk = apply_rotary(qk.transpose(0, 1), cos, sin)
+        return _attention_out(cfg, w, x, qk[:nh], qk[nh:], v, kv_write, kv_read, mask, attend)
     else:
         q = linear(h, w["q.weight"], w.get("q.bias"))
         k = linear(h, w["k.weight"], w.get("k.bias"))
@@ -72,6 +73,20 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
         k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
     return _attention_out(cfg, w, x, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, kv_write, kv_read,
                           mask, attend)
+
+
+def _qk_normed(cfg: ModelConfig, w, qk: torch.Tensor) -> torch.Tensor:
+    """`rms_norm` of the query heads by q_norm and of the key heads by k_norm, [n, heads + kv_heads, d], in
+    one pass: the same elementwise steps as two calls, with half the launches."""
+    qw, kw = w["q_norm.weight"], w["k_norm.weight"]
+    if qw.dtype != qk.dtype or kw.dtype != qk.dtype:
+        nh = cfg.num_heads
+        return torch.cat([rms_norm(qk[:, :nh], qw, cfg.rms_norm_eps), rms_norm(qk[:, nh:], kw, cfg.rms_norm_eps)], 1)
+    x32 = qk.float()
+    out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)).to(qk.dtype)
+    out[:, :cfg.num_heads].mul_(qw)
+    out[:, cfg.num_heads:].mul_(kw)
+    return out
 
 
 def _attention_out(cfg: ModelConfig, w, x, q, k, v, kv_write, kv_read, mask, attend) -> torch.Tensor:

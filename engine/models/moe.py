@@ -100,16 +100,26 @@ def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, 
     h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
     router = w["router.weight"]
     top_w, top_i = route(cfg, linear(h.to(router.dtype), router), h.dtype)
+    if host and x.device.type != "cpu":
+        # The state goes to the host anyway: the top k come with it in one copy and are sorted there. On a
+        # GPU the sort and the count are a dozen launches, one of them (bincount) a sync of its own, for a
+        # few dozen integers; the same stable sort and counts on the CPU give the same state.
+        if sync is not None:
+            sync()
+        x, h, top_w, top_i = _moved([x, h, top_w, top_i], "cpu")
+    rows, weights, ends = _sorted_pairs(cfg, top_w, top_i)
+    if sync is not None and x.device.type != "cpu":
+        sync()
+    return MoeState(x, h, None, rows, weights, [0, *ends.tolist()])
+
+
+def _sorted_pairs(cfg: ModelConfig, top_w: torch.Tensor, top_i: torch.Tensor):
+    """(token row, weight) of every (token, expert) pair sorted by expert (stable), and each expert's end
+    in that order."""
     flat = top_i.reshape(-1)
     order = torch.argsort(flat, stable=True)
     ends = torch.cumsum(torch.bincount(flat, minlength=cfg.num_experts), 0)
-    k = cfg.num_experts_per_tok
-    rows, weights = order // k, top_w.reshape(-1)[order]
-    if sync is not None:
-        sync()
-    if host and x.device.type != "cpu":
-        x, h, rows, weights, ends = _moved([x, h, rows, weights, ends], "cpu")
-    return MoeState(x, h, None, rows, weights, [0, *ends.tolist()])
+    return order // cfg.num_experts_per_tok, top_w.reshape(-1)[order], ends
 
 
 def experts_block(cfg: ModelConfig, w: dict[str, torch.Tensor], s: MoeState, experts: range) -> MoeState:

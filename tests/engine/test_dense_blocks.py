@@ -1,5 +1,5 @@
-"""The attention block's fused path (one qkv matmul, RoPE over the query and key heads at once) computes
-bit for bit what the separate q/k/v path computes (RoPE per projection)."""
+"""The attention block's fused path (one qkv matmul, the q/k norms and RoPE over the query and key heads at
+once) computes bit for bit what the separate q/k/v path computes (norms and RoPE per projection)."""
 
 import pytest
 import torch
@@ -10,12 +10,12 @@ from engine.models import dense
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 6])
-@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("qk_norm", [False, True, "float32"])
 def test_fused_qkv_path_matches_separate_projections(dtype, n, qk_norm):
     torch.manual_seed(n)
     h, heads, kv_heads, d = 128, 4, 2, 32
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=h, intermediate_size=256, num_layers=1,
-                      num_heads=heads, num_kv_heads=kv_heads, head_dim=d, qk_norm=qk_norm,
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=d, qk_norm=bool(qk_norm),
                       dtype="float32" if dtype == torch.float32 else "bfloat16")
     sep = {"attn_norm.weight": torch.randn(h, dtype=dtype), "q.weight": torch.randn(heads * d, h, dtype=dtype) / 8,
            "k.weight": torch.randn(kv_heads * d, h, dtype=dtype) / 8, "v.weight": torch.randn(kv_heads * d, h, dtype=dtype) / 8,
@@ -24,6 +24,9 @@ def test_fused_qkv_path_matches_separate_projections(dtype, n, qk_norm):
     fused = dict(sep, **{"qkv.weight": torch.cat([sep["q.weight"], sep["k.weight"], sep["v.weight"]])})
     for name in ("q.weight", "k.weight", "v.weight"):
         del fused[name]
+    if qk_norm == "float32":          # a GGUF file keeps its norms in F32 beside 16-bit matrices
+        for w in (sep, fused):
+            w["q_norm.weight"], w["k_norm.weight"] = sep["q_norm.weight"].float(), sep["k_norm.weight"].float()
     x = torch.randn(n, h, dtype=dtype)
     ang = torch.arange(3, 3 + n)[:, None].float() * torch.rand(d // 2)[None, :]
     cos, sin = (torch.cat([f(ang)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
