@@ -67,6 +67,36 @@ def traced_steps(eng, prompt: str, skip: int, steps: int, path: Path) -> dict:
             "busy": r["busy"], "trace": path.name}
 
 
+def traced_prefill(eng, n: int, run: int, path: Path) -> dict:
+    """Profile one prefill of an `n`-token prompt (no cached prefix), as `traced_steps` does a decode."""
+    from engine.bench.slipstream_runs import _prompt
+    from engine.bench.trace_breakdown import breakdown, print_report
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    eng.executor.label_sublayers = True
+    try:
+        with torch.profiler.profile(activities=acts) as prof:
+            t = time.perf_counter()
+            for _ in eng.generate(_prompt(n, run), max_new_tokens=1):
+                pass
+            wall = time.perf_counter() - t
+    finally:
+        eng.executor.label_sublayers = False
+    raw = path.with_suffix("")
+    prof.export_chrome_trace(str(raw))
+    events = json.loads(raw.read_text())["traceEvents"]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    raw.unlink()
+    r = breakdown(events)
+    print(f"-- prefill of {n} tokens (traced: {wall * 1e3:.0f} ms):", flush=True)
+    print_report(r, 6)
+    return {"tokens": n, "traced_ms": wall * 1e3, "busy": r["busy"], "trace": path.name,
+            "kinds": {k: {"n": v["n"], "mean_ms": v["us"] / v["n"] / 1e3} for k, v in r["kinds"].items()}}
+
+
 def _rss_gib() -> float:
     try:
         import psutil
@@ -84,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--late-token", type=int, default=40, help="the late traced steps start after this token")
     ap.add_argument("--out", type=Path, default=Path("."))
     ap.add_argument("--device", default="cuda", help="cuda, or sim (a dry run on this machine)")
+    ap.add_argument("--prefill-trace", type=int, default=0, help="also trace one prefill of this many tokens")
+    ap.add_argument("--no-decode-traces", action="store_true", help="time the decode, trace none of it")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     from engine.bench.slipstream_runs import DECODE_PROMPT, _empty_cache, _prompt, open_engine, prefill_tps
@@ -110,9 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: tier-1 plan {tier1['plan']} predicted {tier1['predicted_ms']:.1f} ms; measured median "
               f"{row['median_ms']:.1f} mean {row['mean_ms']:.1f} ms; first 6 {row['token_ms'][:6]}; last 4 "
               f"{row['token_ms'][-4:]}; engine {row['engine_decode_tps']:.2f} tok/s", flush=True)
-        for when, skip in (("early", 1), ("late", args.late_token)):
+        for when, skip in () if args.no_decode_traces else (("early", 1), ("late", args.late_token)):
             path = args.out / f"decode_steps_{name}_{when}.json.gz"
             row[f"trace_{when}"] = traced_steps(eng, _prompt(DECODE_PROMPT, 5), skip, args.profile_steps, path)
+        if args.prefill_trace:
+            row["prefill_trace"] = traced_prefill(eng, args.prefill_trace, 6,
+                                                  args.out / f"prefill_{args.prefill_trace}_{name}.json.gz")
         rows.append(row)
     write_report(args.out, "decode_steps", {"shape": args.shape, "rows": rows},
                  "python -m engine.bench.decode_steps " + " ".join(argv if argv is not None else sys.argv[1:]))
