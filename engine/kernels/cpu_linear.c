@@ -467,12 +467,12 @@ int sl_weighted_sum(int dtype, void *out, const void *start, const void *y, cons
  * kv_heads), as PyTorch's grouped attention does. Scores, softmax (max subtracted) and the weighted sum of
  * values run in float32; the output is rounded once to the dtype.
  *
- * Work items: (sequence, KV head, up to ATT_QG of its query heads, ATT_CHUNK keys). The heads of an item
+ * Work items: (sequence, KV head, up to ATT_QG of its query heads, a chunk of keys). The heads of an item
  * share every key and value row it loads. A context longer than one chunk leaves each chunk's (max, sum,
  * weighted values) in a buffer and the item that finishes last merges them in chunk order, so the result
  * depends on neither the thread count nor which thread ran what. */
 #define KV_BLOCK 16       /* tokens per block: BLOCK_SIZE in engine/sharding/kvcache.py */
-#define ATT_CHUNK 256     /* keys per work item (a multiple of KV_BLOCK) */
+#define ATT_CHUNK 256     /* most keys per work item (a multiple of KV_BLOCK) */
 #define ATT_QG 8          /* query heads per work item */
 #define ATT_MAX_D 256     /* head_dim limit: an item's scratch lives on its thread's stack */
 
@@ -686,15 +686,25 @@ static void store_row(int dtype, void *out, const float *acc, float sum, int64_t
 }
 #endif
 
+/* How a context of L keys is cut: the fewest chunks of at most ATT_CHUNK keys, of about equal sizes in whole
+ * blocks (257 keys: 144 + 113, not 256 + 1, so the pool's threads share them). A function of L alone. */
+static inline int64_t chunk_keys(int64_t L, int64_t *n_chunks) {
+    int64_t n = (L + ATT_CHUNK - 1) / ATT_CHUNK;
+    int64_t size = ((L + n - 1) / n + KV_BLOCK - 1) / KV_BLOCK * KV_BLOCK;
+    *n_chunks = (L + size - 1) / size;
+    return size;
+}
+
 static void attn_item(const void *arg, int64_t item) {
     const attn_job *j = (const attn_job *)arg;
     int s = 0;
     while (item >= j->first[s + 1]) s++;
-    const int64_t L = j->lengths[s], nch = (L + ATT_CHUNK - 1) / ATT_CHUNK, local = item - j->first[s];
+    int64_t nch;
+    const int64_t L = j->lengths[s], size = chunk_keys(L, &nch), local = item - j->first[s];
     const int64_t c = local % nch, grp = local / nch % j->groups, h = local / nch / j->groups;
     const int64_t per_kv = j->heads / j->kv_heads, g0 = h * per_kv + grp * ATT_QG;
     const int nq = (int)(per_kv - grp * ATT_QG < ATT_QG ? per_kv - grp * ATT_QG : ATT_QG);
-    const int64_t t0 = c * ATT_CHUNK, n = (L - t0 < ATT_CHUNK ? L - t0 : ATT_CHUNK);
+    const int64_t t0 = c * size, n = (L - t0 < size ? L - t0 : size);
     const size_t es = j->dtype == DT_F32 ? 4 : 2;
     const int64_t rs = j->kv_heads * j->d;                         /* elements between a block's rows */
     const void *qrow[ATT_QG];
@@ -767,7 +777,8 @@ int sl_paged_attention(int dtype, int n_seqs, const void *const *q, void *const 
         if (L < 1 || L > table_lens[s] * KV_BLOCK) return -1;
         for (int64_t b = 0; b < (L + KV_BLOCK - 1) / KV_BLOCK; b++)
             if (tables[s][b] < 0 || tables[s][b] >= n_blocks) return -1;
-        int64_t nch = (L + ATT_CHUNK - 1) / ATT_CHUNK;
+        int64_t nch;
+        chunk_keys(L, &nch);
         multi |= nch > 1;
         items += kv_heads * groups * nch;
     }
@@ -778,15 +789,20 @@ int sl_paged_attention(int dtype, int n_seqs, const void *const *q, void *const 
     int rc = 0;
     if (!first) return -1;
     first[0] = 0;
-    for (int s = 0; s < n_seqs; s++)
-        first[s + 1] = first[s] + kv_heads * groups * ((lengths[s] + ATT_CHUNK - 1) / ATT_CHUNK);
+    for (int s = 0; s < n_seqs; s++) {
+        int64_t nch;
+        chunk_keys(lengths[s], &nch);
+        first[s + 1] = first[s] + kv_heads * groups * nch;
+    }
     if (multi) {
         partial = malloc(sizeof(float) * (size_t)items * ATT_QG * (size_t)(2 + d));
         pending = malloc(sizeof(atomic_int) * (size_t)n_seqs * (size_t)(kv_heads * groups));
         if (!partial || !pending) { rc = -1; goto done; }
-        for (int s = 0; s < n_seqs; s++)
-            for (int64_t i = 0; i < kv_heads * groups; i++)
-                atomic_init(&pending[s * kv_heads * groups + i], (int)((lengths[s] + ATT_CHUNK - 1) / ATT_CHUNK));
+        for (int s = 0; s < n_seqs; s++) {
+            int64_t nch;
+            chunk_keys(lengths[s], &nch);
+            for (int64_t i = 0; i < kv_heads * groups; i++) atomic_init(&pending[s * kv_heads * groups + i], (int)nch);
+        }
     }
     attn_job job = {dtype, q, out, tables, lengths, k, v, heads, kv_heads, d, q_stride, out_stride, groups, scale,
                     n_seqs, first, partial, pending};

@@ -61,7 +61,7 @@ def _assert_rounded_once(out, ref, dtype, noise: float = 1e-6):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("heads,kv_heads,d", [(8, 2, 64), (4, 4, 128), (6, 2, 80)])
 @pytest.mark.parametrize("kind", ["consecutive", "scattered", "reversed"])
-@pytest.mark.parametrize("length", [1, 15, 16, 17, 300, 2000])
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 257, 300, 2000])
 def test_matches_sdpa_over_the_gathered_context(dtype, heads, kv_heads, d, kind, length):
     g = torch.Generator().manual_seed(length * 31 + heads)
     nb = -(-length // BLOCK_SIZE)
