@@ -1,10 +1,10 @@
 """Where a one-token CPU attention block's time goes, without a profiler (whose per-op cost inflates the
 small ops): the engine's block as the executor runs it (paged KV cache write and read, fused qkv), and
 each of its parts timed alone in a loop, at a given context length, and the top-level PyTorch ops one
-block runs. The block is timed twice: attention through PyTorch (the pool read, gathered where the
-sequence's blocks are not one run, and SDPA), and through the native paged kernel the executor now uses
-(`kernels.paged_decode_attention`, the pool read in place); `--scattered` interleaves the sequence's
-blocks with another's, as a pool that has handed out freed blocks does.
+block runs. The block is timed two ways, call by call in turn: attention through PyTorch (the pool read,
+gathered where the sequence's blocks are not one run, and SDPA), and through the native paged kernel the
+executor now uses (`kernels.paged_decode_attention`, the pool read in place); `--scattered` interleaves
+the sequence's blocks with another's, as a pool that has handed out freed blocks does.
 
     python -m engine.bench.cpu_attention_parts --ctx 256 --out DIR
 """
@@ -28,14 +28,22 @@ from engine.sharding.measure import Sizes, _attention_blocks
 
 def timed(fn, reps: int) -> float:
     """Median milliseconds of `fn(i)` over `reps` calls (after a few warm-up calls)."""
+    return timed_turns([fn], reps)[0]
+
+
+def timed_turns(fns: list, reps: int) -> list[float]:
+    """Median milliseconds of each `fn(i)` over `reps` calls, the functions taking turns call by call, so
+    that a machine's drift (other load, clocks) reaches each alike."""
     for i in range(3):
-        fn(i)
-    out = []
+        for fn in fns:
+            fn(i)
+    out: list[list[float]] = [[] for _ in fns]
     for i in range(reps):
-        t = time.perf_counter()
-        fn(i)
-        out.append(time.perf_counter() - t)
-    return statistics.median(out) * 1e3
+        for fn, times in zip(fns, out):
+            t = time.perf_counter()
+            fn(i)
+            times.append(time.perf_counter() - t)
+    return [statistics.median(times) * 1e3 for times in out]
 
 
 @torch.inference_mode()
@@ -79,13 +87,22 @@ def main(argv: list[str] | None = None) -> int:
         "o linear": lambda i: dense.linear(attn_out, blocks[i % len(blocks)]["o.weight"]),
     }
     native = kernels.attention_ready() and kv.attend_decode(0, [(seq, args.ctx + 1)], q) is not None
+
+    def with_attention(native: bool):
+        def run(i):
+            kernels.set_attention_enabled(native)
+            return block(i)
+        return run
+
     was = kernels.set_attention_enabled(False)
-    try:
-        rows = {"block": timed(block, args.reps), **{name: timed(fn, args.reps) for name, fn in parts.items()}}
+    try:   # the two blocks take turns (the old one's parts alone after them)
+        old_ms, new_ms = timed_turns([with_attention(False), with_attention(True)], args.reps)
+        kernels.set_attention_enabled(False)
+        rows = {"block": old_ms, **{name: timed(fn, args.reps) for name, fn in parts.items()}}
         ops = _ops(block)
         kernels.set_attention_enabled(True)
         new_rows = {"native attention": timed(lambda i: kv.attend_decode(0, [(seq, args.ctx + 1)], q), args.reps)
-                    if native else None, "block, native attention": timed(block, args.reps)}
+                    if native else None, "block, native attention": new_ms}
         new_ops = _ops(block)
     finally:
         kernels.set_attention_enabled(was)

@@ -48,6 +48,7 @@ _lock = threading.Lock()
 _busy = threading.Lock()       # held while the native pool runs a job
 _lib = None
 _why_not: str | None = None
+_attention_fast = False    # the library's decode attention is vector code (else PyTorch's SDPA is kept)
 _threads = 0
 
 
@@ -111,7 +112,7 @@ def _build() -> Path:
 
 def _load():
     """The loaded library, or None (and `_why_not` set)."""
-    global _lib, _why_not
+    global _lib, _why_not, _attention_fast
     if _lib is not None or _why_not is not None:
         return _lib
     with _lock:
@@ -140,6 +141,8 @@ def _load():
                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
         lib.sl_paged_attention.restype = ctypes.c_int
+        lib.sl_paged_attention_fast.restype = ctypes.c_int
+        _attention_fast = bool(lib.sl_paged_attention_fast())
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
@@ -360,8 +363,12 @@ KV_BLOCK = 16              # tokens per pool block the C side reads (kvcache.BLO
 
 
 def attention_ready() -> bool:
-    """Whether `paged_decode_attention` may answer now (cheap: callers test it before preparing tables)."""
-    return _enabled and _attention and not _building.is_set() and _load() is not None
+    """Whether `paged_decode_attention` may answer now (cheap: callers test it before preparing tables):
+    on, built, and built with vector code (AVX-512, or AVX2 with FMA and F16C) that beats PyTorch's SDPA;
+    a build without was slower for fp16, so it leaves attention to PyTorch."""
+    if not (_enabled and _attention) or _building.is_set():
+        return False
+    return _load() is not None and _attention_fast
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -374,10 +381,11 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     k_pool, v_pool: [n_blocks, BLOCK_SIZE, kv_heads, head_dim], contiguous, q's dtype (bf16, fp16, fp32).
     q: [heads, head_dim] (one sequence), or [heads, N, head_dim] with sequence i's query at row rows[i]
     (default i). tables: one int64 CPU tensor of block ids per sequence. Returns out (a new tensor like q
-    unless given; only the sequences' rows are written), or None where the kernel does not apply: no
-    library, off, another dtype (an FP8 pool's uint8), tensors off the CPU, a layout it does not take, or
-    the pool busy with another thread's job. Nothing is written then."""
-    if not (_enabled and _attention) or _building.is_set():
+    unless given; only the sequences' rows are written), or None where the kernel does not apply: not
+    `attention_ready()`, another dtype (an FP8 pool's uint8), tensors off the CPU, a layout
+    it does not take. Nothing is written then. A pool busy with another thread's job is waited for (a
+    matmul takes PyTorch's path instead): which arithmetic a step gets never depends on timing."""
+    if not attention_ready():
         return None
     dtype = q.dtype
     code = _DTYPES.get(dtype)
@@ -407,9 +415,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
         return None
     if any(t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() for t in tables):
         return None
-    lib = _load()
-    if lib is None:
-        return None
+    lib = _lib
     _sync_threads(lib)
     es = q.element_size()
     qp, op = q.data_ptr(), out.data_ptr()
@@ -419,10 +425,6 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
             ptrs(*[t.data_ptr() for t in tables]), ints(*[t.numel() for t in tables]), ints(*lengths),
             k_pool.data_ptr(), v_pool.data_ptr(), n_blocks, heads, kv_heads, d, q_strides[0], o_strides[0],
             1.0 / math.sqrt(d))
-    if not _busy.acquire(blocking=False):
-        return None
-    try:
+    with _busy:
         rc = lib.sl_paged_attention(*args)
-    finally:
-        _busy.release()
     return out if rc == 0 else None

@@ -488,7 +488,8 @@ typedef struct {
     float scale;
     int n_seqs;
     const int64_t *first;                 /* per sequence: its first item (n_seqs + 1 entries) */
-    float *partial;                       /* per item: ATT_QG x (2 + d) floats (max, sum, values); multi-chunk only */
+    float *partial;                       /* per item: its heads' (max, sum, d values), `slot` floats; multi-chunk only */
+    int64_t slot;
     atomic_int *pending;                  /* per (sequence, KV head, group): chunks not yet finished */
 } attn_job;
 
@@ -553,7 +554,7 @@ static inline __mmask16 tail16(int64_t n) { return n >= 16 ? (__mmask16)0xffff :
 /* Scores of nq query heads against one block's 16 rows (rows past nt are read but masked later): sc[g][i]
  * = scale * q_g . k_i. krow: the block's row of token 0, rows `rs` elements apart. */
 static void block_scores(const attn_job *j, const char *krow, int64_t rs, int nq, const void *const *qrow,
-                         float sc[][ATT_CHUNK], int at) {
+                         float qf[][ATT_MAX_D], float sc[][ATT_CHUNK], int at) {
     const int64_t d = j->d;
     const size_t es = j->dtype == DT_F32 ? 4 : 2;
 #if defined(__AVX512BF16__)
@@ -575,13 +576,10 @@ static void block_scores(const attn_job *j, const char *krow, int64_t rs, int nq
 #endif
     /* widen the block's keys to float32 once; every head then reads them from L1 */
     float kf[16][ATT_MAX_D] __attribute__((aligned(64)));
-    float qf[ATT_QG][ATT_MAX_D] __attribute__((aligned(64)));
+    (void)qrow;
     for (int t = 0; t < 16; t++)
         for (int64_t c = 0; c < d; c += 16)
             _mm512_store_ps(&kf[t][c], load16(j->dtype, krow + (size_t)t * rs * es, c, tail16(d - c)));
-    for (int g = 0; g < nq; g++)
-        for (int64_t c = 0; c < d; c += 16)
-            _mm512_store_ps(&qf[g][c], load16(j->dtype, qrow[g], c, tail16(d - c)));
     for (int g = 0; g < nq; g++) {
         __m512 acc[16];
         for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
@@ -646,38 +644,102 @@ static void store_row(int dtype, void *out, const float *acc, float sum, int64_t
         store16(dtype, out, c, _mm512_div_ps(_mm512_maskz_loadu_ps(tail16(d - c), acc + c), inv), tail16(d - c));
 }
 #else
+/* Without AVX-512: plain C shaped for the compiler's vectorizer (an AVX2 build gets 8-lane FMA code): rows
+ * widened to float32 scratch first, dot products in LANES partial sums, exp by a polynomial. */
+#define LANES 8
+
+/* row of `d` elements as float32, zero-padded to dp (a multiple of LANES) */
+static void widen_row(int dtype, const void *src, float *dst, int64_t d, int64_t dp) {
+    int64_t c = 0;
+    if (dtype == DT_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)d);
+        c = d;
+    } else if (dtype == DT_BF16) {
+        const uint16_t *h = (const uint16_t *)src;
+        uint32_t *u = (uint32_t *)dst;
+        for (; c < d; c++) u[c] = (uint32_t)h[c] << 16;
+    } else {
+        const uint16_t *h = (const uint16_t *)src;
+#if defined(__F16C__)
+        for (; c + 8 <= d; c += 8) _mm256_storeu_ps(dst + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + c))));
+#endif
+        for (; c < d; c++) dst[c] = f16_to_f32(h[c]);
+    }
+    for (; c < dp; c++) dst[c] = 0.0f;
+}
+
+static inline int64_t padded(int64_t d) { return (d + LANES - 1) / LANES * LANES; }
+
 static void block_scores(const attn_job *j, const char *krow, int64_t rs, int nq, const void *const *qrow,
-                         float sc[][ATT_CHUNK], int at) {
+                         float qf[][ATT_MAX_D], float sc[][ATT_CHUNK], int at) {
     const size_t es = j->dtype == DT_F32 ? 4 : 2;
+    const int64_t dp = padded(j->d);
+    float kf[16][ATT_MAX_D] __attribute__((aligned(64)));
+    (void)qrow;
+    for (int t = 0; t < 16; t++) widen_row(j->dtype, krow + (size_t)t * rs * es, kf[t], j->d, dp);
     for (int g = 0; g < nq; g++)
         for (int t = 0; t < 16; t++) {
-            const char *kr = krow + (size_t)t * rs * es;
-            float s = 0.0f;
-            for (int64_t c = 0; c < j->d; c++) s += load_elem(j->dtype, qrow[g], c) * load_elem(j->dtype, kr, c);
-            sc[g][at + t] = s * j->scale;
+            float acc[LANES] = {0};
+            for (int64_t c = 0; c < dp; c += LANES)
+                for (int l = 0; l < LANES; l++) acc[l] += qf[g][c + l] * kf[t][c + l];
+            for (int w = LANES / 2; w > 0; w /= 2)
+                for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+            sc[g][at + t] = acc[0] * j->scale;
         }
 }
 
 static void block_values(const attn_job *j, const char *vrow, int64_t rs, int nt, int nq,
                          float sc[][ATT_CHUNK], int at, float acc[][ATT_MAX_D]) {
     const size_t es = j->dtype == DT_F32 ? 4 : 2;
-    for (int t = 0; t < nt; t++)
+    const int64_t dp = padded(j->d);
+    float vf[ATT_MAX_D] __attribute__((aligned(64)));
+    for (int t = 0; t < nt; t++) {
+        widen_row(j->dtype, vrow + (size_t)t * rs * es, vf, j->d, dp);
         for (int g = 0; g < nq; g++) {
-            float p = sc[g][at + t];
-            for (int64_t c = 0; c < j->d; c++) acc[g][c] += p * load_elem(j->dtype, vrow + (size_t)t * rs * es, c);
+            const float p = sc[g][at + t];
+            for (int64_t c = 0; c < dp; c++) acc[g][c] += p * vf[c];
         }
+    }
+}
+
+/* exp(x) for x <= 0 within about an ulp (as exp512); below -87 it gives exp(-87), about 1e-38: nothing
+ * beside the max's own 1 */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;                         /* NaN passes */
+    const float shift = 12582912.0f;                     /* 1.5 * 2^23: t's low bits hold round(x * log2 e) */
+    float t = x * 1.44269504088896341f + shift, n = t - shift;
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.42860682030941723212e-6f;
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    uint32_t u;
+    memcpy(&u, &t, 4);
+    u = (u - 0x4B400000u + 127u) << 23;                  /* 2^n */
+    float scale;
+    memcpy(&scale, &u, 4);
+    return p * scale;
 }
 
 static void chunk_softmax(float sc[][ATT_CHUNK], int nq, int n, float *mx, float *sum) {
     for (int g = 0; g < nq; g++) {
-        float M = -INFINITY, s = 0.0f;
+        float M = -INFINITY;
         for (int i = 0; i < n; i++) M = sc[g][i] > M ? sc[g][i] : M;
-        for (int i = 0; i < n; i++) {
-            sc[g][i] = expf(sc[g][i] - M);
-            s += sc[g][i];
-        }
+        for (int i = 0; i < n; i++) sc[g][i] = exp_neg(sc[g][i] - M);
+        float s[LANES] = {0};
+        int i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int l = 0; l < LANES; l++) s[l] += sc[g][i + l];
+        for (; i < n; i++) s[0] += sc[g][i];
+        for (int w = LANES / 2; w > 0; w /= 2)
+            for (int l = 0; l < w; l++) s[l] += s[l + w];
         mx[g] = M;
-        sum[g] = s;
+        sum[g] = s[0];
     }
 }
 
@@ -685,6 +747,16 @@ static void store_row(int dtype, void *out, const float *acc, float sum, int64_t
     for (int64_t c = 0; c < d; c++) store_elem(dtype, out, c, acc[c] / sum);
 }
 #endif
+
+/* One query row as float32, zero-padded to a multiple of 16 lanes (unused where bf16 pairs multiply) */
+static void widen_query(int dtype, const void *q, float *dst, int64_t d) {
+#if defined(__AVX512BF16__)
+    if (dtype == DT_BF16) return;
+#endif
+    int64_t c = 0;
+    for (; c < d; c++) dst[c] = load_elem(dtype, q, c);
+    for (; c % 16; c++) dst[c] = 0.0f;
+}
 
 /* How a context of L keys is cut: the fewest chunks of at most ATT_CHUNK keys, of about equal sizes in whole
  * blocks (257 keys: 144 + 113, not 256 + 1, so the pool's threads share them). A function of L alone. */
@@ -708,7 +780,11 @@ static void attn_item(const void *arg, int64_t item) {
     const size_t es = j->dtype == DT_F32 ? 4 : 2;
     const int64_t rs = j->kv_heads * j->d;                         /* elements between a block's rows */
     const void *qrow[ATT_QG];
-    for (int g = 0; g < nq; g++) qrow[g] = (const char *)j->q[s] + (size_t)((g0 + g) * j->q_stride) * es;
+    float qf[ATT_QG][ATT_MAX_D] __attribute__((aligned(64)));    /* widened (paths that multiply in float32) */
+    for (int g = 0; g < nq; g++) {
+        qrow[g] = (const char *)j->q[s] + (size_t)((g0 + g) * j->q_stride) * es;
+        widen_query(j->dtype, qrow[g], qf[g], j->d);
+    }
 
     float sc[ATT_QG][ATT_CHUNK] __attribute__((aligned(64)));
     float acc[ATT_QG][ATT_MAX_D] __attribute__((aligned(64)));
@@ -716,7 +792,7 @@ static void attn_item(const void *arg, int64_t item) {
     const int64_t *table = j->tables[s] + t0 / KV_BLOCK;
     for (int64_t b = 0; b < n; b += KV_BLOCK) {
         int64_t row = table[b / KV_BLOCK] * KV_BLOCK * rs + h * j->d;
-        block_scores(j, (const char *)j->k + (size_t)row * es, rs, nq, qrow, sc, (int)b);
+        block_scores(j, (const char *)j->k + (size_t)row * es, rs, nq, qrow, qf, sc, (int)b);
     }
     chunk_softmax(sc, nq, (int)n, mx, sum);
     for (int g = 0; g < nq; g++) memset(acc[g], 0, sizeof(float) * (size_t)j->d);
@@ -732,7 +808,7 @@ static void attn_item(const void *arg, int64_t item) {
     }
     /* one chunk of several: leave its part; the last chunk of this (sequence, KV head, group) to finish merges */
     const int64_t width = 2 + j->d;
-    float *mine = j->partial + (size_t)item * ATT_QG * width;
+    float *mine = j->partial + (size_t)(item * j->slot);
     for (int g = 0; g < nq; g++) {
         mine[g * width] = mx[g];
         mine[g * width + 1] = sum[g];
@@ -740,16 +816,16 @@ static void attn_item(const void *arg, int64_t item) {
     }
     atomic_int *left = &j->pending[((int64_t)s * j->kv_heads + h) * j->groups + grp];
     if (atomic_fetch_sub_explicit(left, 1, memory_order_acq_rel) != 1) return;
-    const float *chunk0 = j->partial + (size_t)(item - c) * ATT_QG * width;   /* this group's chunk 0 */
+    const float *chunk0 = j->partial + (size_t)((item - c) * j->slot);   /* this group's chunk 0 */
     for (int g = 0; g < nq; g++) {
         float M = -INFINITY, total = 0.0f;
         for (int64_t i = 0; i < nch; i++) {
-            float m = chunk0[(i * ATT_QG + g) * width];
+            float m = chunk0[i * j->slot + g * width];
             M = m > M ? m : M;
         }
         for (int64_t x = 0; x < j->d; x++) acc[g][x] = 0.0f;
         for (int64_t i = 0; i < nch; i++) {
-            const float *part = chunk0 + (i * ATT_QG + g) * width;
+            const float *part = chunk0 + i * j->slot + g * width;
             float w = expf(part[0] - M);
             total += w * part[1];
             for (int64_t x = 0; x < j->d; x++) acc[g][x] += w * part[2 + x];
@@ -758,11 +834,14 @@ static void attn_item(const void *arg, int64_t item) {
     }
 }
 
+static struct { void *p; size_t bytes; } att_scratch;   /* sl_paged_attention's, grown as needed */
+
 /* Decode attention of n_seqs sequences, one query token each, over the paged pools k and v [n_blocks,
  * KV_BLOCK, kv_heads, d] (contiguous, the dtype of q). Sequence i: query q[i] (head h at q[i] + h *
  * q_stride elements), output out[i] (likewise, out_stride), block table tables[i], keys 0..lengths[i]-1.
  * Returns 0, or -1 (nothing written) on arguments it does not take: a block id outside the pool, a length
- * past the table, heads not a multiple of kv_heads, head_dim above ATT_MAX_D. */
+ * past the table, heads not a multiple of kv_heads, head_dim above ATT_MAX_D. One call at a time, as
+ * for the pool's other jobs (engine/kernels/__init__.py holds a lock around every call). */
 int sl_paged_attention(int dtype, int n_seqs, const void *const *q, void *const *out,
                        const int64_t *const *tables, const int64_t *table_lens, const int64_t *lengths,
                        const void *k, const void *v, int64_t n_blocks, int64_t heads, int64_t kv_heads,
@@ -770,7 +849,8 @@ int sl_paged_attention(int dtype, int n_seqs, const void *const *q, void *const 
     if (dtype < 0 || dtype > 2 || n_seqs < 1 || kv_heads < 1 || heads < kv_heads || heads % kv_heads
         || d < 1 || d > ATT_MAX_D)
         return -1;
-    int64_t groups = (heads / kv_heads + ATT_QG - 1) / ATT_QG, items = 0;
+    const int64_t per_kv = heads / kv_heads, groups = (per_kv + ATT_QG - 1) / ATT_QG;
+    int64_t items = 0;
     int multi = 0;
     for (int s = 0; s < n_seqs; s++) {
         int64_t L = lengths[s];
@@ -782,30 +862,32 @@ int sl_paged_attention(int dtype, int n_seqs, const void *const *q, void *const 
         multi |= nch > 1;
         items += kv_heads * groups * nch;
     }
-    int64_t first_local[17];
-    int64_t *first = n_seqs < 17 ? first_local : malloc(sizeof(int64_t) * (size_t)(n_seqs + 1));
-    float *partial = NULL;
-    atomic_int *pending = NULL;
-    int rc = 0;
-    if (!first) return -1;
+    /* scratch: item boundaries, chunk counters, chunk results; kept between calls (a long context's results
+     * are megabytes, whose fresh pages would cost more than the attention) */
+    const int64_t per_item = per_kv < ATT_QG ? per_kv : ATT_QG, slot = per_item * (2 + d);
+    const int64_t n_groups = (int64_t)n_seqs * kv_heads * groups;
+    size_t first_bytes = sizeof(int64_t) * (size_t)(n_seqs + 1);
+    size_t pending_bytes = multi ? (sizeof(atomic_int) * (size_t)n_groups + 63) / 64 * 64 : 0;
+    size_t need = (first_bytes + 63) / 64 * 64 + pending_bytes + (multi ? sizeof(float) * (size_t)(items * slot) : 0);
+    if (need > att_scratch.bytes) {
+        free(att_scratch.p);
+        att_scratch.p = aligned_alloc(64, (need + 63) / 64 * 64);
+        att_scratch.bytes = att_scratch.p ? (need + 63) / 64 * 64 : 0;
+        if (!att_scratch.p) return -1;
+    }
+    char *at = att_scratch.p;
+    int64_t *first = (int64_t *)at;
+    atomic_int *pending = multi ? (atomic_int *)(at + (first_bytes + 63) / 64 * 64) : NULL;
+    float *partial = multi ? (float *)(at + (first_bytes + 63) / 64 * 64 + pending_bytes) : NULL;
     first[0] = 0;
     for (int s = 0; s < n_seqs; s++) {
         int64_t nch;
         chunk_keys(lengths[s], &nch);
         first[s + 1] = first[s] + kv_heads * groups * nch;
-    }
-    if (multi) {
-        partial = malloc(sizeof(float) * (size_t)items * ATT_QG * (size_t)(2 + d));
-        pending = malloc(sizeof(atomic_int) * (size_t)n_seqs * (size_t)(kv_heads * groups));
-        if (!partial || !pending) { rc = -1; goto done; }
-        for (int s = 0; s < n_seqs; s++) {
-            int64_t nch;
-            chunk_keys(lengths[s], &nch);
-            for (int64_t i = 0; i < kv_heads * groups; i++) atomic_init(&pending[s * kv_heads * groups + i], (int)nch);
-        }
+        for (int64_t i = 0; multi && i < kv_heads * groups; i++) atomic_init(&pending[s * kv_heads * groups + i], (int)nch);
     }
     attn_job job = {dtype, q, out, tables, lengths, k, v, heads, kv_heads, d, q_stride, out_stride, groups, scale,
-                    n_seqs, first, partial, pending};
+                    n_seqs, first, partial, slot, pending};
     if (pool.n == 0) sl_set_threads(1, -1);
     int64_t work = 0;                     /* key and value elements read */
     for (int s = 0; s < n_seqs; s++) work += lengths[s] * kv_heads * d;
@@ -814,11 +896,17 @@ int sl_paged_attention(int dtype, int n_seqs, const void *const *q, void *const 
     } else {
         run_pool(attn_item, &job, items);
     }
-done:
-    if (first != first_local) free(first);
-    free(partial);
-    free((void *)pending);
-    return rc;
+    return 0;
+}
+
+/* Whether sl_paged_attention is built with vector code that beats PyTorch's SDPA (AVX-512, or AVX2 with
+ * FMA and F16C): 1, else 0 (an SSE2-only build was slower for fp16 there; other CPUs are unmeasured). */
+int sl_paged_attention_fast(void) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C. */

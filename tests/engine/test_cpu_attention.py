@@ -4,8 +4,14 @@ its fallbacks: FP8 pools, prefill, the kernel off)."""
 
 from __future__ import annotations
 
+import os
+import platform
 import random
+import shutil
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -301,3 +307,41 @@ def test_sim_plans_decode_the_same_bits(tiny_model):
         for (toks, logits, _), (want_toks, want_logits, _) in zip(runs, ref):
             assert toks == want_toks, label
             assert all(torch.equal(a, b) for la, lb in zip(logits, want_logits) for a, b in zip(la, lb)), label
+
+
+_GENERIC_CHECK = """
+import torch
+from engine import kernels
+from tests.engine import test_cpu_attention as t
+print(kernels.status(), kernels.attention_ready())
+if kernels.attention_ready():
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for heads, kv_heads, d in ((8, 2, 64), (6, 2, 80)):
+            for length in (1, 17, 300, 2000):
+                t.test_matches_sdpa_over_the_gathered_context(dtype, heads, kv_heads, d, "scattered", length)
+        t.test_large_scores_and_tiny_ones(dtype)
+    t.test_several_sequences_in_one_call_equal_each_alone()
+    t.test_thread_count_does_not_change_results()
+    print("checked")
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64") or shutil.which("cc") is None,
+                    reason="x86 builds with a C compiler only")
+@pytest.mark.parametrize("arch,fast", [("haswell", True), ("x86-64", False)])
+def test_builds_without_avx512(tmp_path, arch, fast):
+    """The library built for a CPU without AVX-512: with AVX2, FMA and F16C (most gaming CPUs) its plain-C
+    attention, vectorized by the compiler, matches SDPA as the AVX-512 one does; an SSE2-only build (slower
+    than PyTorch for fp16) declines, and attention stays with PyTorch."""
+    cc = tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\nargs=""\nfor a in "$@"; do [ "$a" = "-march=native" ] && a="-march={arch}"; '
+                  f'args="$args $a"; done\nexec {shutil.which("cc")} $args\n')
+    cc.chmod(0o755)
+    env = {**os.environ, "CC": str(cc), "SLIPSTREAM_KERNEL_CACHE": str(tmp_path / "cache")}
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", _GENERIC_CHECK], check=False, capture_output=True, text=True,
+                       env={**env, "PYTHONPATH": str(root)}, cwd=root, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    status, ready = r.stdout.splitlines()[0].rsplit(" ", 1)
+    assert status.startswith("native portable C") and ready == str(fast)
+    assert ("checked" in r.stdout) == fast
