@@ -10,6 +10,11 @@ The library is compiled with the system C compiler (`$CC`, else `cc`/`gcc`/`clan
 so it builds once per machine (about a second). Without a compiler, on an unsupported dtype or shape, or
 with `SLIPSTREAM_CPU_KERNEL=torch`, callers fall back to PyTorch: `linear` returns None and `status()` says
 why.
+
+`paged_decode_attention` is one-token (decode) attention over the paged KV cache, read through the block
+table in place: a CPU decode step otherwise gathers the context's blocks (`index_select`) and runs SDPA
+and its glue ops, which cost more than the attention's arithmetic. `SLIPSTREAM_CPU_ATTENTION=torch` (or
+`set_attention_enabled(False)`) leaves attention alone and keeps the native matmuls.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -42,6 +48,7 @@ _lock = threading.Lock()
 _busy = threading.Lock()       # held while the native pool runs a job
 _lib = None
 _why_not: str | None = None
+_attention_fast = False    # the library's decode attention is vector code (else PyTorch's SDPA is kept)
 _threads = 0
 
 
@@ -105,7 +112,7 @@ def _build() -> Path:
 
 def _load():
     """The loaded library, or None (and `_why_not` set)."""
-    global _lib, _why_not
+    global _lib, _why_not, _attention_fast
     if _lib is not None or _why_not is not None:
         return _lib
     with _lock:
@@ -129,6 +136,13 @@ def _load():
         lib.sl_weighted_sum.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.sl_weighted_sum.restype = ctypes.c_int
+        lib.sl_paged_attention.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                           ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+        lib.sl_paged_attention.restype = ctypes.c_int
+        lib.sl_paged_attention_fast.restype = ctypes.c_int
+        _attention_fast = bool(lib.sl_paged_attention_fast())
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
@@ -176,12 +190,21 @@ def status(wait: bool = False) -> str:
 
 
 _enabled = True
+_attention = os.environ.get("SLIPSTREAM_CPU_ATTENTION", "").lower() not in ("torch", "off", "0", "none")
 
 
 def set_enabled(flag: bool) -> bool:
-    """Turn the native path on or off in this process (benchmarks compare both); returns the old state."""
+    """Turn the native path (matmuls and attention) on or off in this process (benchmarks compare both);
+    returns the old state."""
     global _enabled
     old, _enabled = _enabled, bool(flag)
+    return old
+
+
+def set_attention_enabled(flag: bool) -> bool:
+    """Turn native decode attention alone on or off (the matmuls keep their path); returns the old state."""
+    global _attention
+    old, _attention = _attention, bool(flag)
     return old
 
 
@@ -333,3 +356,75 @@ def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero
     o = out.data_ptr()
     return lib.sl_weighted_sum(_DTYPES[dtype], o, None if from_zero else o, y.data_ptr(), wt.data_ptr(),
                                y.shape[0], y.shape[1]) == 0
+
+
+MAX_HEAD_DIM = 256         # the C side's limit (an item's scratch lives on its thread's stack)
+KV_BLOCK = 16              # tokens per pool block the C side reads (kvcache.BLOCK_SIZE)
+
+
+def attention_ready() -> bool:
+    """Whether `paged_decode_attention` may answer now (cheap: callers test it before preparing tables):
+    on, built, and built with vector code (AVX-512, or AVX2 with FMA and F16C) that beats PyTorch's SDPA;
+    a build without was slower for fp16, so it leaves attention to PyTorch."""
+    if not (_enabled and _attention) or _building.is_set():
+        return False
+    return _load() is not None and _attention_fast
+
+
+def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           tables: list[torch.Tensor], lengths: list[int], rows: list[int] | None = None,
+                           out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Attention of one new query token per sequence over its first `lengths[i]` keys and values, read from
+    the paged pools through its block table, no gathered copy: float32 scores and softmax, the output
+    rounded once, as PyTorch's CPU SDPA (`enable_gqa`: query head h reads KV head h // (heads / kv_heads)).
+
+    k_pool, v_pool: [n_blocks, BLOCK_SIZE, kv_heads, head_dim], contiguous, q's dtype (bf16, fp16, fp32).
+    q: [heads, head_dim] (one sequence), or [heads, N, head_dim] with sequence i's query at row rows[i]
+    (default i). tables: one int64 CPU tensor of block ids per sequence. Returns out (a new tensor like q
+    unless given; only the sequences' rows are written), or None where the kernel does not apply: not
+    `attention_ready()`, another dtype (an FP8 pool's uint8), tensors off the CPU, a layout
+    it does not take. Nothing is written then. A pool busy with another thread's job is waited for (a
+    matmul takes PyTorch's path instead): which arithmetic a step gets never depends on timing."""
+    if not attention_ready():
+        return None
+    dtype = q.dtype
+    code = _DTYPES.get(dtype)
+    shape = k_pool.shape
+    if (code is None or k_pool.dtype != dtype or v_pool.dtype != dtype or len(shape) != 4 or v_pool.shape != shape
+            or shape[1] != KV_BLOCK or shape[3] > MAX_HEAD_DIM or not (q.is_cpu and k_pool.is_cpu and v_pool.is_cpu)
+            or not (k_pool.is_contiguous() and v_pool.is_contiguous()) or q.requires_grad):
+        return None
+    n_blocks, _, kv_heads, d = shape
+    two_d = q.dim() == 2
+    if q.dim() != 3 and not two_d:
+        return None
+    q_strides = q.stride()
+    heads, n_rows = q.shape[0], 1 if two_d else q.shape[1]
+    n = len(tables)
+    if rows is None:
+        rows = range(n)
+    if (q.shape[-1] != d or heads % kv_heads or q_strides[-1] != 1 or not n or len(lengths) != n or len(rows) != n
+            or min(rows) < 0 or max(rows) >= n_rows):
+        return None
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != dtype or not out.is_cpu:
+        return None
+    o_strides = out.stride()
+    if o_strides[-1] != 1:
+        return None
+    if any(t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() for t in tables):
+        return None
+    lib = _lib
+    _sync_threads(lib)
+    es = q.element_size()
+    qp, op = q.data_ptr(), out.data_ptr()
+    qs, os_ = (0, 0) if two_d else (q_strides[1] * es, o_strides[1] * es)
+    ptrs, ints = ctypes.c_void_p * n, ctypes.c_int64 * n
+    args = (code, n, ptrs(*[qp + r * qs for r in rows]), ptrs(*[op + r * os_ for r in rows]),
+            ptrs(*[t.data_ptr() for t in tables]), ints(*[t.numel() for t in tables]), ints(*lengths),
+            k_pool.data_ptr(), v_pool.data_ptr(), n_blocks, heads, kv_heads, d, q_strides[0], o_strides[0],
+            1.0 / math.sqrt(d))
+    with _busy:
+        rc = lib.sl_paged_attention(*args)
+    return out if rc == 0 else None

@@ -16,6 +16,7 @@
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -256,12 +257,12 @@ static struct {
     atomic_ullong next;          /* (job number << 32) | next chunk to claim */
     atomic_llong done;           /* chunks finished in the current job */
     atomic_int stop;
-    const linear_job *jobs;      /* the current job: n_jobs matmuls of one shape, chunked as one */
-    int n_jobs;
-    int64_t rows_per_chunk, chunks_per_job, chunks;
+    void (*task)(const void *arg, int64_t chunk);   /* the current job: runs one of its chunks */
+    const void *arg;
+    int64_t chunks;
     int spin;                    /* pause instructions a worker spins before sleeping */
     unsigned start_gen;          /* gen when the workers were created: a job may be posted before they run */
-} pool = {0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0, 0, 0, 0, 20000, 0};
+} pool = {0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL, NULL, 0, 20000, 0};
 
 /* Claim and run chunks of job `job_no` until none is left (or another job is current). */
 static void run_chunks(unsigned job_no) {
@@ -274,10 +275,7 @@ static void run_chunks(unsigned job_no) {
                                                    memory_order_acquire))
             continue;
         /* the job cannot end before this chunk is done, so its fields stay valid */
-        const linear_job *j = &pool.jobs[c / pool.chunks_per_job];
-        int64_t n0 = (c % pool.chunks_per_job) * pool.rows_per_chunk;
-        int64_t n1 = n0 + pool.rows_per_chunk < j->N ? n0 + pool.rows_per_chunk : j->N;
-        linear_rows(j, n0, n1);
+        pool.task(pool.arg, c);
         atomic_fetch_add_explicit(&pool.done, 1, memory_order_acq_rel);
     }
 }
@@ -331,6 +329,39 @@ int sl_set_threads(int threads, int spin) {
     return pool.n;
 }
 
+/* Runs `task(arg, c)` for c in [0, chunks) on the pool (the caller takes chunks too); returns when all
+ * are done. */
+static void run_pool(void (*task)(const void *, int64_t), const void *arg, int64_t chunks) {
+    unsigned job_no = atomic_load(&pool.gen) + 1;
+    pool.task = task;
+    pool.arg = arg;
+    pool.chunks = chunks;
+    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool.next, (unsigned long long)job_no << 32, memory_order_release);
+    pthread_mutex_lock(&pool.mu);
+    atomic_store_explicit(&pool.gen, job_no, memory_order_release);
+    pthread_cond_broadcast(&pool.cv);
+    pthread_mutex_unlock(&pool.mu);
+    run_chunks(job_no);
+    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks; spins++) {
+        CPU_RELAX();
+        if (spins > 4096) sched_yield();   /* a chunk's thread was preempted (a loaded machine): let it run */
+    }
+}
+
+/* n_jobs matmuls of one shape, chunked as one job: chunk c is rows of matmul c / per */
+typedef struct {
+    const linear_job *jobs;
+    int64_t rows, per;
+} linear_plan;
+
+static void linear_chunk(const void *arg, int64_t c) {
+    const linear_plan *p = (const linear_plan *)arg;
+    const linear_job *j = &p->jobs[c / p->per];
+    int64_t n0 = (c % p->per) * p->rows;
+    linear_rows(j, n0, n0 + p->rows < j->N ? n0 + p->rows : j->N);
+}
+
 /* Runs `n_jobs` matmuls of one shape (N, K) and dtype as one pool job. */
 static int run_jobs(const linear_job *jobs, int n_jobs) {
     if (pool.n == 0) sl_set_threads(1, -1);
@@ -348,23 +379,8 @@ static int run_jobs(const linear_job *jobs, int n_jobs) {
         rows = want < ROWS ? ROWS : (want + ROWS - 1) / ROWS * ROWS;
         per = (N + rows - 1) / rows;
     }
-    unsigned job_no = atomic_load(&pool.gen) + 1;
-    pool.jobs = jobs;
-    pool.n_jobs = n_jobs;
-    pool.rows_per_chunk = rows;
-    pool.chunks_per_job = per;
-    pool.chunks = per * n_jobs;
-    atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool.next, (unsigned long long)job_no << 32, memory_order_release);
-    pthread_mutex_lock(&pool.mu);
-    atomic_store_explicit(&pool.gen, job_no, memory_order_release);
-    pthread_cond_broadcast(&pool.cv);
-    pthread_mutex_unlock(&pool.mu);
-    run_chunks(job_no);
-    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < pool.chunks; spins++) {
-        CPU_RELAX();
-        if (spins > 4096) sched_yield();   /* a chunk's thread was preempted (a loaded machine): let it run */
-    }
+    linear_plan plan = {jobs, rows, per};
+    run_pool(linear_chunk, &plan, per * n_jobs);
     return 0;
 }
 
@@ -440,6 +456,457 @@ int sl_weighted_sum(int dtype, void *out, const void *start, const void *y, cons
         store_elem(dtype, out, j, acc);
     }
     return 0;
+}
+
+/* ---- paged decode attention --------------------------------------------------------------------- */
+/* One new query token per sequence attends over its first L cached keys and values, read straight from the
+ * paged pool through the sequence's block table (engine/sharding/kvcache.py): a decode step needs no
+ * gathered copy of the context, and none of the dozen PyTorch ops a read and SDPA cost.
+ *
+ * Pools: k, v [n_blocks, KV_BLOCK, kv_heads, d], contiguous. Query head i reads KV head i / (heads /
+ * kv_heads), as PyTorch's grouped attention does. Scores, softmax (max subtracted) and the weighted sum of
+ * values run in float32; the output is rounded once to the dtype.
+ *
+ * Work items: (sequence, KV head, up to ATT_QG of its query heads, a chunk of keys). The heads of an item
+ * share every key and value row it loads. A context longer than one chunk leaves each chunk's (max, sum,
+ * weighted values) in a buffer and the item that finishes last merges them in chunk order, so the result
+ * depends on neither the thread count nor which thread ran what. */
+#define KV_BLOCK 16       /* tokens per block: BLOCK_SIZE in engine/sharding/kvcache.py */
+#define ATT_CHUNK 256     /* most keys per work item (a multiple of KV_BLOCK) */
+#define ATT_QG 8          /* query heads per work item */
+#define ATT_MAX_D 256     /* head_dim limit: an item's scratch lives on its thread's stack */
+
+typedef struct {
+    int dtype;
+    const void *const *q;                 /* per sequence: its query row of head 0 */
+    void *const *out;                     /* per sequence: its output row of head 0 */
+    const int64_t *const *tables;
+    const int64_t *lengths;
+    const void *k, *v;
+    int64_t heads, kv_heads, d, q_stride, out_stride;   /* strides between heads, in elements */
+    int64_t groups;                       /* items per KV head and chunk: ceil((heads / kv_heads) / ATT_QG) */
+    float scale;
+    int n_seqs;
+    const int64_t *first;                 /* per sequence: its first item (n_seqs + 1 entries) */
+    float *partial;                       /* per item: its heads' (max, sum, d values), `slot` floats; multi-chunk only */
+    int64_t slot;
+    atomic_int *pending;                  /* per (sequence, KV head, group): chunks not yet finished */
+} attn_job;
+
+#if defined(__AVX512F__)
+/* exp(x) for x <= 0 within about an ulp: 2^n * e^r, |r| <= ln2 / 2, e^r by its Taylor series to r^7 */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);   /* exp(-104) is below float's range; NaN passes */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* The 16 lane sums of v[0..15], lane t holding the sum of v[t]: a transposing tree of adds, a third of
+ * the instructions of 16 separate reductions. */
+static inline __m512 hsum16(__m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)       /* 256-bit halves: [v2i lo+hi, v2i+1 lo+hi] */
+        a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)       /* 128-bit block j: four partial sums of vector 4i + j */
+        b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)       /* block j: [x, y, x, y] of vectors 8i + j and 8i + j + 4 */
+        c[i] = _mm512_add_ps(_mm512_unpacklo_ps(b[2 * i], b[2 * i + 1]), _mm512_unpackhi_ps(b[2 * i], b[2 * i + 1]));
+    /* block j, lane k: the total of vector j + 4k */
+    __m512 t = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, t);
+}
+
+/* float32 -> bf16 bits (low 16 of each lane), round to nearest even, NaN quieted (as f32_to_bf16) */
+static inline __m512i bf16_round_bits(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_srli_epi32(r, 16);
+}
+
+static inline void store16(int dtype, void *p, int64_t i, __m512 x, __mmask16 m) {
+    if (dtype == DT_F32) _mm512_mask_storeu_ps((float *)p + i, m, x);
+    else if (dtype == DT_BF16)
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, m, _mm512_cvtepi32_epi16(bf16_round_bits(x)));
+    else _mm256_mask_storeu_epi16((uint16_t *)p + i, m,
+                                  _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+static inline __mmask16 tail16(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1); }
+
+/* Scores of nq query heads against one block's 16 rows (rows past nt are read but masked later): sc[g][i]
+ * = scale * q_g . k_i. krow: the block's row of token 0, rows `rs` elements apart. */
+static void block_scores(const attn_job *j, const char *krow, int64_t rs, int nq, const void *const *qrow,
+                         float qf[][ATT_MAX_D], float sc[][ATT_CHUNK], int at) {
+    const int64_t d = j->d;
+    const size_t es = j->dtype == DT_F32 ? 4 : 2;
+#if defined(__AVX512BF16__)
+    if (j->dtype == DT_BF16) {        /* bf16 pairs through vdpbf16ps, straight from the pool */
+        for (int g = 0; g < nq; g++) {
+            __m512 acc[16];
+            for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < d; c += 32) {
+                __mmask32 m = d - c >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (d - c)) - 1);
+                __m512bh qv = (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)qrow[g] + c);
+                for (int t = 0; t < 16; t++)
+                    acc[t] = _mm512_dpbf16_ps(acc[t], qv,
+                        (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)(krow + (size_t)t * rs * 2) + c));
+            }
+            _mm512_storeu_ps(&sc[g][at], _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(j->scale)));
+        }
+        return;
+    }
+#endif
+    /* widen the block's keys to float32 once; every head then reads them from L1 */
+    float kf[16][ATT_MAX_D] __attribute__((aligned(64)));
+    (void)qrow;
+    for (int t = 0; t < 16; t++)
+        for (int64_t c = 0; c < d; c += 16)
+            _mm512_store_ps(&kf[t][c], load16(j->dtype, krow + (size_t)t * rs * es, c, tail16(d - c)));
+    for (int g = 0; g < nq; g++) {
+        __m512 acc[16];
+        for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < d; c += 16) {
+            __m512 qv = _mm512_load_ps(&qf[g][c]);
+            for (int t = 0; t < 16; t++) acc[t] = _mm512_fmadd_ps(qv, _mm512_load_ps(&kf[t][c]), acc[t]);
+        }
+        _mm512_storeu_ps(&sc[g][at], _mm512_mul_ps(hsum16(acc), _mm512_set1_ps(j->scale)));
+    }
+}
+
+/* acc[g][:] += sum_t p[g][at + t] * v_t for the first nt rows of one block (NQ heads at once: one value
+ * load feeds every head) */
+static inline __attribute__((always_inline)) void
+block_values_impl(int dtype, int64_t d, const char *vrow, int64_t rs, int nt, const int NQ,
+                  float sc[][ATT_CHUNK], int at, float acc[][ATT_MAX_D]) {
+    const size_t es = dtype == DT_F32 ? 4 : 2;
+    for (int64_t c = 0; c < d; c += 16) {
+        __mmask16 m = tail16(d - c);
+        __m512 a[ATT_QG];
+        for (int g = 0; g < NQ; g++) a[g] = _mm512_load_ps(&acc[g][c]);
+        for (int t = 0; t < nt; t++) {
+            __m512 v = load16(dtype, vrow + (size_t)t * rs * es, c, m);
+            for (int g = 0; g < NQ; g++) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(sc[g][at + t]), v, a[g]);
+        }
+        for (int g = 0; g < NQ; g++) _mm512_store_ps(&acc[g][c], a[g]);
+    }
+}
+
+static void block_values(const attn_job *j, const char *vrow, int64_t rs, int nt, int nq,
+                         float sc[][ATT_CHUNK], int at, float acc[][ATT_MAX_D]) {
+#define VALUES_CASE(N) case N: block_values_impl(j->dtype, j->d, vrow, rs, nt, N, sc, at, acc); break
+    switch (nq) {
+    VALUES_CASE(1); VALUES_CASE(2); VALUES_CASE(3); VALUES_CASE(4);
+    VALUES_CASE(5); VALUES_CASE(6); VALUES_CASE(7); default: VALUES_CASE(8);
+    }
+#undef VALUES_CASE
+}
+
+/* softmax numerators of the first n scores of each head (max subtracted, in place); returns max and sum */
+static void chunk_softmax(float sc[][ATT_CHUNK], int nq, int n, float *mx, float *sum) {
+    for (int g = 0; g < nq; g++) {
+        __m512 mm = _mm512_set1_ps(-INFINITY);
+        for (int i = 0; i < n; i += 16) mm = _mm512_mask_max_ps(mm, tail16(n - i), mm, _mm512_loadu_ps(&sc[g][i]));
+        float M = _mm512_reduce_max_ps(mm);
+        __m512 s = _mm512_setzero_ps(), vm = _mm512_set1_ps(M);
+        for (int i = 0; i < n; i += 16) {
+            __mmask16 k = tail16(n - i);
+            __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(_mm512_loadu_ps(&sc[g][i]), vm)));
+            _mm512_storeu_ps(&sc[g][i], e);
+            s = _mm512_add_ps(s, e);
+        }
+        mx[g] = M;
+        sum[g] = _mm512_reduce_add_ps(s);
+    }
+}
+
+/* out = acc / sum, rounded to the dtype */
+static void store_row(int dtype, void *out, const float *acc, float sum, int64_t d) {
+    __m512 inv = _mm512_set1_ps(sum);
+    for (int64_t c = 0; c < d; c += 16)
+        store16(dtype, out, c, _mm512_div_ps(_mm512_maskz_loadu_ps(tail16(d - c), acc + c), inv), tail16(d - c));
+}
+#else
+/* Without AVX-512: plain C shaped for the compiler's vectorizer (an AVX2 build gets 8-lane FMA code): rows
+ * widened to float32 scratch first, dot products in LANES partial sums, exp by a polynomial. */
+#define LANES 8
+
+/* row of `d` elements as float32, zero-padded to dp (a multiple of LANES) */
+static void widen_row(int dtype, const void *src, float *dst, int64_t d, int64_t dp) {
+    int64_t c = 0;
+    if (dtype == DT_F32) {
+        memcpy(dst, src, sizeof(float) * (size_t)d);
+        c = d;
+    } else if (dtype == DT_BF16) {
+        const uint16_t *h = (const uint16_t *)src;
+        uint32_t *u = (uint32_t *)dst;
+        for (; c < d; c++) u[c] = (uint32_t)h[c] << 16;
+    } else {
+        const uint16_t *h = (const uint16_t *)src;
+#if defined(__F16C__)
+        for (; c + 8 <= d; c += 8) _mm256_storeu_ps(dst + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + c))));
+#endif
+        for (; c < d; c++) dst[c] = f16_to_f32(h[c]);
+    }
+    for (; c < dp; c++) dst[c] = 0.0f;
+}
+
+static inline int64_t padded(int64_t d) { return (d + LANES - 1) / LANES * LANES; }
+
+static void block_scores(const attn_job *j, const char *krow, int64_t rs, int nq, const void *const *qrow,
+                         float qf[][ATT_MAX_D], float sc[][ATT_CHUNK], int at) {
+    const size_t es = j->dtype == DT_F32 ? 4 : 2;
+    const int64_t dp = padded(j->d);
+    float kf[16][ATT_MAX_D] __attribute__((aligned(64)));
+    (void)qrow;
+    for (int t = 0; t < 16; t++) widen_row(j->dtype, krow + (size_t)t * rs * es, kf[t], j->d, dp);
+    for (int g = 0; g < nq; g++)
+        for (int t = 0; t < 16; t++) {
+            float acc[LANES] = {0};
+            for (int64_t c = 0; c < dp; c += LANES)
+                for (int l = 0; l < LANES; l++) acc[l] += qf[g][c + l] * kf[t][c + l];
+            for (int w = LANES / 2; w > 0; w /= 2)
+                for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+            sc[g][at + t] = acc[0] * j->scale;
+        }
+}
+
+static void block_values(const attn_job *j, const char *vrow, int64_t rs, int nt, int nq,
+                         float sc[][ATT_CHUNK], int at, float acc[][ATT_MAX_D]) {
+    const size_t es = j->dtype == DT_F32 ? 4 : 2;
+    const int64_t dp = padded(j->d);
+    float vf[ATT_MAX_D] __attribute__((aligned(64)));
+    for (int t = 0; t < nt; t++) {
+        widen_row(j->dtype, vrow + (size_t)t * rs * es, vf, j->d, dp);
+        for (int g = 0; g < nq; g++) {
+            const float p = sc[g][at + t];
+            for (int64_t c = 0; c < dp; c++) acc[g][c] += p * vf[c];
+        }
+    }
+}
+
+/* exp(x) for x <= 0 within about an ulp (as exp512); below -87 it gives exp(-87), about 1e-38: nothing
+ * beside the max's own 1 */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;                         /* NaN passes */
+    const float shift = 12582912.0f;                     /* 1.5 * 2^23: t's low bits hold round(x * log2 e) */
+    float t = x * 1.44269504088896341f + shift, n = t - shift;
+    float r = x - n * 0.693145751953125f;
+    r = r - n * 1.42860682030941723212e-6f;
+    float p = 1.0f / 5040;
+    p = p * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    uint32_t u;
+    memcpy(&u, &t, 4);
+    u = (u - 0x4B400000u + 127u) << 23;                  /* 2^n */
+    float scale;
+    memcpy(&scale, &u, 4);
+    return p * scale;
+}
+
+static void chunk_softmax(float sc[][ATT_CHUNK], int nq, int n, float *mx, float *sum) {
+    for (int g = 0; g < nq; g++) {
+        float M = -INFINITY;
+        for (int i = 0; i < n; i++) M = sc[g][i] > M ? sc[g][i] : M;
+        for (int i = 0; i < n; i++) sc[g][i] = exp_neg(sc[g][i] - M);
+        float s[LANES] = {0};
+        int i = 0;
+        for (; i + LANES <= n; i += LANES)
+            for (int l = 0; l < LANES; l++) s[l] += sc[g][i + l];
+        for (; i < n; i++) s[0] += sc[g][i];
+        for (int w = LANES / 2; w > 0; w /= 2)
+            for (int l = 0; l < w; l++) s[l] += s[l + w];
+        mx[g] = M;
+        sum[g] = s[0];
+    }
+}
+
+static void store_row(int dtype, void *out, const float *acc, float sum, int64_t d) {
+    for (int64_t c = 0; c < d; c++) store_elem(dtype, out, c, acc[c] / sum);
+}
+#endif
+
+/* One query row as float32, zero-padded to a multiple of 16 lanes (unused where bf16 pairs multiply) */
+static void widen_query(int dtype, const void *q, float *dst, int64_t d) {
+#if defined(__AVX512BF16__)
+    if (dtype == DT_BF16) return;
+#endif
+    int64_t c = 0;
+    for (; c < d; c++) dst[c] = load_elem(dtype, q, c);
+    for (; c % 16; c++) dst[c] = 0.0f;
+}
+
+/* How a context of L keys is cut: the fewest chunks of at most ATT_CHUNK keys, of about equal sizes in whole
+ * blocks (257 keys: 144 + 113, not 256 + 1, so the pool's threads share them). A function of L alone. */
+static inline int64_t chunk_keys(int64_t L, int64_t *n_chunks) {
+    int64_t n = (L + ATT_CHUNK - 1) / ATT_CHUNK;
+    int64_t size = ((L + n - 1) / n + KV_BLOCK - 1) / KV_BLOCK * KV_BLOCK;
+    *n_chunks = (L + size - 1) / size;
+    return size;
+}
+
+static void attn_item(const void *arg, int64_t item) {
+    const attn_job *j = (const attn_job *)arg;
+    int s = 0;
+    while (item >= j->first[s + 1]) s++;
+    int64_t nch;
+    const int64_t L = j->lengths[s], size = chunk_keys(L, &nch), local = item - j->first[s];
+    const int64_t c = local % nch, grp = local / nch % j->groups, h = local / nch / j->groups;
+    const int64_t per_kv = j->heads / j->kv_heads, g0 = h * per_kv + grp * ATT_QG;
+    const int nq = (int)(per_kv - grp * ATT_QG < ATT_QG ? per_kv - grp * ATT_QG : ATT_QG);
+    const int64_t t0 = c * size, n = (L - t0 < size ? L - t0 : size);
+    const size_t es = j->dtype == DT_F32 ? 4 : 2;
+    const int64_t rs = j->kv_heads * j->d;                         /* elements between a block's rows */
+    const void *qrow[ATT_QG];
+    float qf[ATT_QG][ATT_MAX_D] __attribute__((aligned(64)));    /* widened (paths that multiply in float32) */
+    for (int g = 0; g < nq; g++) {
+        qrow[g] = (const char *)j->q[s] + (size_t)((g0 + g) * j->q_stride) * es;
+        widen_query(j->dtype, qrow[g], qf[g], j->d);
+    }
+
+    float sc[ATT_QG][ATT_CHUNK] __attribute__((aligned(64)));
+    float acc[ATT_QG][ATT_MAX_D] __attribute__((aligned(64)));
+    float mx[ATT_QG], sum[ATT_QG];
+    const int64_t *table = j->tables[s] + t0 / KV_BLOCK;
+    for (int64_t b = 0; b < n; b += KV_BLOCK) {
+        int64_t row = table[b / KV_BLOCK] * KV_BLOCK * rs + h * j->d;
+        block_scores(j, (const char *)j->k + (size_t)row * es, rs, nq, qrow, qf, sc, (int)b);
+    }
+    chunk_softmax(sc, nq, (int)n, mx, sum);
+    for (int g = 0; g < nq; g++) memset(acc[g], 0, sizeof(float) * (size_t)j->d);
+    for (int64_t b = 0; b < n; b += KV_BLOCK) {
+        int64_t row = table[b / KV_BLOCK] * KV_BLOCK * rs + h * j->d;
+        int nt = (int)(n - b < KV_BLOCK ? n - b : KV_BLOCK);
+        block_values(j, (const char *)j->v + (size_t)row * es, rs, nt, nq, sc, (int)b, acc);
+    }
+    if (nch == 1) {
+        for (int g = 0; g < nq; g++)
+            store_row(j->dtype, (char *)j->out[s] + (size_t)((g0 + g) * j->out_stride) * es, acc[g], sum[g], j->d);
+        return;
+    }
+    /* one chunk of several: leave its part; the last chunk of this (sequence, KV head, group) to finish merges */
+    const int64_t width = 2 + j->d;
+    float *mine = j->partial + (size_t)(item * j->slot);
+    for (int g = 0; g < nq; g++) {
+        mine[g * width] = mx[g];
+        mine[g * width + 1] = sum[g];
+        memcpy(mine + g * width + 2, acc[g], sizeof(float) * (size_t)j->d);
+    }
+    atomic_int *left = &j->pending[((int64_t)s * j->kv_heads + h) * j->groups + grp];
+    if (atomic_fetch_sub_explicit(left, 1, memory_order_acq_rel) != 1) return;
+    const float *chunk0 = j->partial + (size_t)((item - c) * j->slot);   /* this group's chunk 0 */
+    for (int g = 0; g < nq; g++) {
+        float M = -INFINITY, total = 0.0f;
+        for (int64_t i = 0; i < nch; i++) {
+            float m = chunk0[i * j->slot + g * width];
+            M = m > M ? m : M;
+        }
+        for (int64_t x = 0; x < j->d; x++) acc[g][x] = 0.0f;
+        for (int64_t i = 0; i < nch; i++) {
+            const float *part = chunk0 + i * j->slot + g * width;
+            float w = expf(part[0] - M);
+            total += w * part[1];
+            for (int64_t x = 0; x < j->d; x++) acc[g][x] += w * part[2 + x];
+        }
+        store_row(j->dtype, (char *)j->out[s] + (size_t)((g0 + g) * j->out_stride) * es, acc[g], total, j->d);
+    }
+}
+
+static struct { void *p; size_t bytes; } att_scratch;   /* sl_paged_attention's, grown as needed */
+
+/* Decode attention of n_seqs sequences, one query token each, over the paged pools k and v [n_blocks,
+ * KV_BLOCK, kv_heads, d] (contiguous, the dtype of q). Sequence i: query q[i] (head h at q[i] + h *
+ * q_stride elements), output out[i] (likewise, out_stride), block table tables[i], keys 0..lengths[i]-1.
+ * Returns 0, or -1 (nothing written) on arguments it does not take: a block id outside the pool, a length
+ * past the table, heads not a multiple of kv_heads, head_dim above ATT_MAX_D. One call at a time, as
+ * for the pool's other jobs (engine/kernels/__init__.py holds a lock around every call). */
+int sl_paged_attention(int dtype, int n_seqs, const void *const *q, void *const *out,
+                       const int64_t *const *tables, const int64_t *table_lens, const int64_t *lengths,
+                       const void *k, const void *v, int64_t n_blocks, int64_t heads, int64_t kv_heads,
+                       int64_t d, int64_t q_stride, int64_t out_stride, float scale) {
+    if (dtype < 0 || dtype > 2 || n_seqs < 1 || kv_heads < 1 || heads < kv_heads || heads % kv_heads
+        || d < 1 || d > ATT_MAX_D)
+        return -1;
+    const int64_t per_kv = heads / kv_heads, groups = (per_kv + ATT_QG - 1) / ATT_QG;
+    int64_t items = 0;
+    int multi = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int64_t L = lengths[s];
+        if (L < 1 || L > table_lens[s] * KV_BLOCK) return -1;
+        for (int64_t b = 0; b < (L + KV_BLOCK - 1) / KV_BLOCK; b++)
+            if (tables[s][b] < 0 || tables[s][b] >= n_blocks) return -1;
+        int64_t nch;
+        chunk_keys(L, &nch);
+        multi |= nch > 1;
+        items += kv_heads * groups * nch;
+    }
+    /* scratch: item boundaries, chunk counters, chunk results; kept between calls (a long context's results
+     * are megabytes, whose fresh pages would cost more than the attention) */
+    const int64_t per_item = per_kv < ATT_QG ? per_kv : ATT_QG, slot = per_item * (2 + d);
+    const int64_t n_groups = (int64_t)n_seqs * kv_heads * groups;
+    size_t first_bytes = sizeof(int64_t) * (size_t)(n_seqs + 1);
+    size_t pending_bytes = multi ? (sizeof(atomic_int) * (size_t)n_groups + 63) / 64 * 64 : 0;
+    size_t need = (first_bytes + 63) / 64 * 64 + pending_bytes + (multi ? sizeof(float) * (size_t)(items * slot) : 0);
+    if (need > att_scratch.bytes) {
+        free(att_scratch.p);
+        att_scratch.p = aligned_alloc(64, (need + 63) / 64 * 64);
+        att_scratch.bytes = att_scratch.p ? (need + 63) / 64 * 64 : 0;
+        if (!att_scratch.p) return -1;
+    }
+    char *at = att_scratch.p;
+    int64_t *first = (int64_t *)at;
+    atomic_int *pending = multi ? (atomic_int *)(at + (first_bytes + 63) / 64 * 64) : NULL;
+    float *partial = multi ? (float *)(at + (first_bytes + 63) / 64 * 64 + pending_bytes) : NULL;
+    first[0] = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int64_t nch;
+        chunk_keys(lengths[s], &nch);
+        first[s + 1] = first[s] + kv_heads * groups * nch;
+        for (int64_t i = 0; multi && i < kv_heads * groups; i++) atomic_init(&pending[s * kv_heads * groups + i], (int)nch);
+    }
+    attn_job job = {dtype, q, out, tables, lengths, k, v, heads, kv_heads, d, q_stride, out_stride, groups, scale,
+                    n_seqs, first, partial, slot, pending};
+    if (pool.n == 0) sl_set_threads(1, -1);
+    int64_t work = 0;                     /* key and value elements read */
+    for (int s = 0; s < n_seqs; s++) work += lengths[s] * kv_heads * d;
+    if (pool.n <= 1 || items < 2 || work < (1 << 15)) {   /* too small to be worth waking the pool */
+        for (int64_t i = 0; i < items; i++) attn_item(&job, i);
+    } else {
+        run_pool(attn_item, &job, items);
+    }
+    return 0;
+}
+
+/* Whether sl_paged_attention is built with vector code that beats PyTorch's SDPA (AVX-512, or AVX2 with
+ * FMA and F16C): 1, else 0 (an SSE2-only build was slower for fp16 there; other CPUs are unmeasured). */
+int sl_paged_attention_fast(void) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C. */

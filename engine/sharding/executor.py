@@ -478,10 +478,16 @@ class Executor:
             self.kv.write_many(layer, [(s.seq, s.start, s.n) for s in segs], k, v)
             if len(segs) == 1:
                 s = segs[0]
+                if s.n == 1 and s.masks[dev] is None:     # a decode token over a CPU pool: the native kernel
+                    out = self.kv.attend_decode(layer, [(s.seq, s.start + 1)], q)
+                    if out is not None:
+                        return out
                 keys, values = self.kv.read(layer, s.seq, s.start + s.n)
                 return dense._attend(q, keys, values, s.masks[dev], gqa)
             out = torch.empty_like(q)
-            if decode is not None:    # the decode tokens: one padded attention over their caches
+            if decode is not None and self.kv.attend_decode(layer, [(s.seq, s.start + 1) for s in decode.segs], q,
+                                                            [s.row for s in decode.segs], out) is None:
+                # the decode tokens: one padded attention over their caches
                 keys, values, valid = self.kv.read_padded(layer, [(s.seq, s.start + 1) for s in decode.segs])
                 rows = decode.rows[dev]
                 qd = q.index_select(1, rows).transpose(0, 1).unsqueeze(2)       # [B, heads, 1, head_dim]
@@ -489,6 +495,9 @@ class Executor:
                 out.index_copy_(1, rows, od.squeeze(2).transpose(0, 1))
             for s in segs:
                 if decode is None or s not in decode.segs:
+                    if (s.n == 1 and s.masks[dev] is None
+                            and self.kv.attend_decode(layer, [(s.seq, s.start + 1)], q, [s.row], out) is not None):
+                        continue
                     keys, values = self.kv.read(layer, s.seq, s.start + s.n)
                     out[:, s.row:s.row + s.n] = dense._attend(q[:, s.row:s.row + s.n], keys, values,
                                                               s.masks[dev], gqa)
@@ -505,6 +514,11 @@ class Executor:
         k, v = self.kv.as_stored(layer, k, v)
         out = torch.empty_like(q)
         for s in segs:
+            # (a simulated accelerator's q is on the CPU: its decode tokens take the native kernel, as under
+            # any other plan)
+            if (s.n == 1 and s.masks[q.device] is None
+                    and self.kv.attend_decode(layer, [(s.seq, s.start + 1)], q, [s.row], out) is not None):
+                continue
             keys, values = k[:, s.row:s.row + s.n], v[:, s.row:s.row + s.n]
             if s.start:
                 past_k, past_v = self.kv.read_to(layer, s.seq, s.start, q.device)

@@ -30,6 +30,7 @@ from itertools import islice
 
 import torch
 
+from engine import kernels
 from engine.config import ModelConfig
 from engine.sharding.device import Accelerator
 
@@ -702,6 +703,29 @@ class PagedKVCache:
         if idx is None:
             idx = self._memo_index(key, torch.tensor(blocks, dtype=torch.long), pool.k.device)
         return [p.index_select(0, idx) for p in pool.parts]
+
+    def attend_decode(self, layer: int, seqs: list[tuple[Sequence, int]], q: torch.Tensor,
+                      rows: list[int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """One new query token per (sequence, length) attending over its first `length` positions (this
+        step's key and value already written), through the native kernel reading the pool in place: no
+        gathered copy of the context (`read`'s index_select once the pool's blocks were handed out of
+        order), no SDPA and its glue ops. q, rows, out: as `kernels.paged_decode_attention`. None where it
+        does not apply (the caller then reads and attends itself): an FP8 pool, tensors off the CPU, the
+        kernel off or missing. Whether it applies depends on nothing but where the tensors are, so every
+        plan of a simulated accelerator (all tensors on the CPU) computes the same numbers."""
+        pool = self.pools[layer]
+        if pool.fp8 or pool.parts is None or not pool.k.is_cpu or not q.is_cpu or not kernels.attention_ready():
+            return None
+        tables = []
+        for seq, length in seqs:
+            blocks = tuple(seq.block_table[:-(-length // BLOCK_SIZE)])
+            key = ("table", blocks)
+            table = self._index_memo.get(key)
+            if table is None:
+                table = self._memo_index(key, torch.tensor(blocks, dtype=torch.long), torch.device("cpu"))
+            tables.append(table)
+        return kernels.paged_decode_attention(q, pool.parts[0], pool.parts[1], tables, [n for _, n in seqs], rows,
+                                              out)
 
     def read_padded(self, layer: int, seqs: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                     torch.Tensor]:

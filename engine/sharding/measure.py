@@ -368,6 +368,10 @@ def _attention_blocks(sizes: Sizes, ctx: int = ATTN_CTX, n_max: int = max(ATTN_T
 
         def attend(q, k, v):           # the executor's one-sequence attention (Executor._attention)
             kv.write_many(layer, [(seq, ctx, n)], k, v)
+            if n == 1 and mask is None:
+                out = kv.attend_decode(layer, [(seq, ctx + 1)], q)
+                if out is not None:
+                    return out
             keys, values = kv.read(layer, seq, ctx + n)
             return dense._attend(q, keys, values, mask, gqa)
 
