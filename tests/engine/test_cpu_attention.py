@@ -298,7 +298,7 @@ def test_sim_plans_decode_the_same_bits(tiny_model):
     got = {}
     for label, (placement, kv_layers) in plans.items():
         ps = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), 2, kv_layers=kv_layers) for t in eng.tiers])
-        eng._make_planset = lambda budget, ps=ps: ps
+        eng._make_planset = lambda budget, kv_tokens=None, ps=ps: ps
         eng.set_vram_budget(eng.budget)
         got[label] = [_decode(eng.executor, PROMPTS, 6, batched) for batched in (False, True)]
     eng.close()
