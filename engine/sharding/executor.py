@@ -101,10 +101,6 @@ class Executor:
         self.store = WeightStore(groups, accel)
         self.order = list(groups)                   # embed, layers.0.attn, layers.0.ffn, ..., head
         self.kv = PagedKVCache(cfg, dtype, accel, fp8=kv_fp8)
-        from engine.sharding import graphs
-
-        self.ffn_graphs = (graphs.FFNGraphs(cfg, accel)
-                           if accel is not None and accel.kind == "cuda" and graphs.enabled() else None)
         self.rope = RotaryTable(cfg)
         self.plan: Plan | None = None
         self.scratch_booked = 0
@@ -148,8 +144,6 @@ class Executor:
             self.plan = plan
             return
         accel, store = self.accel, self.store
-        if self.ffn_graphs is not None:       # (their pool's booking must not stand in the new plan's way)
-            self.ffn_graphs.clear()
         streamed = plan.streamed()
         slot_bytes = max((store.nbytes(n) for n in streamed), default=0)
         n_slots = min(plan.n_slots, len(streamed)) if streamed else 0
@@ -192,8 +186,6 @@ class Executor:
         self.slot_valid, self._pending = [], []
 
     def release_to_driver(self) -> None:
-        if self.ffn_graphs is not None:
-            self.ffn_graphs.clear()
         if self.accel is not None:
             self.accel.release_to_driver()
 
@@ -405,10 +397,7 @@ class Executor:
                 layer = int(name.split(".")[1])
                 x = self._attention(layer, w, x, segs, decode, cos_sin[dev], dev)
             elif name not in self.moe_steps:
-                if self.ffn_graphs is not None and self.ffn_graphs.applies(x):
-                    x = self.ffn_graphs.run(w, x)
-                else:
-                    x = dense.ffn_block(cfg, w, x)
+                x = dense.ffn_block(cfg, w, x)
             elif self.moe_steps[name] is not None and not on_gpu:
                 x = self._cpu_groups(name, w, x, fused)
             else:
@@ -548,8 +537,6 @@ class Executor:
         return x
 
     def close(self) -> None:
-        if self.ffn_graphs is not None:
-            self.ffn_graphs.clear()
         if self.accel is not None:
             self._drain_slots()
             self.store.close()
