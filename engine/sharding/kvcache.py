@@ -434,7 +434,7 @@ class PagedKVCache:
     def _spill(self, blocks: list[int]) -> None:
         """Cached, unused blocks leave the pools: each goes to the host tier (unless it is there already
         or the tier is full of held slots) and its id becomes free."""
-        pairs = []
+        fresh = []                             # (block, hash) not in the tier yet, least recently used first
         for block in blocks:
             del self.evictable[block]
             h = self.hash_of.pop(block)
@@ -445,12 +445,22 @@ class PagedKVCache:
                 if slot in self.host_lru:
                     self.host_lru.move_to_end(slot)
                 continue
-            slot = self._host_take(h)
-            if slot is not None:
-                self.host_lru[slot] = None
-                pairs.append((block, slot))
-        self._copy(pairs, to_host=True)
-        self.host_stats["spilled_blocks"] += len(pairs)
+            fresh.append((block, h))
+        # Slots are taken first and handed out in order, ascending blocks to ascending slots: the blocks
+        # come least recently used first, which is a sequence's blocks backwards, and one slot per block in
+        # that order made every block a copy of its own per layer (4096 tokens: 16k copies, ~0.15 s).
+        # A tier with room for fewer keeps the most recently used of them (as taking a slot each in turn,
+        # each dropping the least recently used, would).
+        chosen = fresh[max(len(fresh) - self._host_room(), 0):]
+        slots = [self._host_take(None) for _ in chosen]
+        slot_of = dict(zip(sorted(b for b, _ in chosen), sorted(slots)))
+        for block, h in chosen:                # the tier's recency keeps the pools' order
+            slot = slot_of[block]
+            self.host_hash[slot], self.host_block_of[h] = h, slot
+            self.host_lru[slot] = None
+        self._copy(sorted(slot_of.items()), to_host=True)
+        self.host_stats["spilled_blocks"] += len(fresh)
+        self.host_stats["dropped_blocks"] += len(fresh) - len(chosen)
 
     def _copy_back(self, items: list[tuple[int, int, int | None, int]], seq: Sequence) -> None:
         """(index in seq's table, host slot, hash, new block): copy each slot into its block, put the

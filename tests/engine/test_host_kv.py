@@ -147,6 +147,27 @@ def test_the_cap_is_kept_and_the_least_recently_used_go_first():
     assert len(kv.host_hash) == 3 and kv.host.allocated_bytes <= kv.host.cap_bytes
 
 
+def test_a_spilled_sequence_goes_out_in_one_run_per_layer_and_comes_back(monkeypatch):
+    """A released sequence's blocks are cached tail first; spilled together they still take consecutive
+    slots in block order, so each layer copies them as one run, and a later prompt finds them intact."""
+    from engine.sharding import kvcache
+
+    kv = make_cache(host_blocks=64)
+    ids = list(range(6 * BLOCK_SIZE))
+    seq = Sequence()
+    fill(kv, seq, ids, seed=3)
+    want = contents(kv, seq)
+    kv.release(seq)
+    runs = []
+    real = kvcache._runs
+    monkeypatch.setattr(kvcache, "_runs", lambda pairs, chunk: runs.append(real(pairs, chunk)) or runs[-1])
+    kv.shrink(0)
+    assert [len(r) for r in runs] == [1] and runs[0][0][2] == 6
+    again = Sequence()
+    assert kv.match_prefix(again, ids + [0]) == len(ids)
+    assert same(contents(kv, again), want)
+
+
 def test_offload_refuses_when_the_tier_is_full_of_held_blocks():
     kv = make_cache(host_blocks=2)
     a, b = Sequence(cacheable=False), Sequence(cacheable=False)
