@@ -35,15 +35,35 @@ def token_times(eng, prompt: str, n: int) -> list[float]:
     return out
 
 
-def traced_steps(eng, prompt: str, skip: int, steps: int, path: Path) -> dict:
-    """Profile decode tokens skip+1 .. skip+steps of one generation (a range per sub-layer), write the
-    gzipped chrome trace to `path`, print and return the per-kind breakdown."""
-    from engine.bench.trace_breakdown import breakdown, print_report
-
+def _profiler() -> torch.profiler.profile:
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    prof = torch.profiler.profile(activities=acts)
+    return torch.profiler.profile(activities=acts)
+
+
+def _report(prof, path: Path, title: str) -> dict:
+    """Write the gzipped chrome trace to `path`; print and return the per-kind breakdown."""
+    from engine.bench.trace_breakdown import breakdown, print_report
+
+    raw = path.with_suffix("")
+    prof.export_chrome_trace(str(raw))
+    events = json.loads(raw.read_text())["traceEvents"]
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    raw.unlink()
+    r = breakdown(events)
+    print(f"-- {title}:", flush=True)
+    print_report(r, 6)
+    return {"kinds": {k: {"n": v["n"], "mean_ms": v["us"] / v["n"] / 1e3,
+                          "outside_ms": v["outside_us"] / v["n"] / 1e3} for k, v in r["kinds"].items()},
+            "busy": r["busy"], "trace": path.name}
+
+
+def traced_steps(eng, prompt: str, skip: int, steps: int, path: Path) -> dict:
+    """Profile decode tokens skip+1 .. skip+steps of one generation (a range per sub-layer), write the
+    gzipped chrome trace to `path`, print and return the per-kind breakdown."""
+    prof = _profiler()
     eng.executor.label_sublayers = True
     try:
         for i, _ in enumerate(eng.generate(prompt, max_new_tokens=skip + steps + 1)):
@@ -53,48 +73,24 @@ def traced_steps(eng, prompt: str, skip: int, steps: int, path: Path) -> dict:
                 prof.stop()
     finally:
         eng.executor.label_sublayers = False
-    raw = path.with_suffix("")
-    prof.export_chrome_trace(str(raw))
-    events = json.loads(raw.read_text())["traceEvents"]
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    raw.unlink()
-    r = breakdown(events)
-    print(f"-- decode tokens {skip + 1}..{skip + steps}:", flush=True)
-    print_report(r, 6)
-    return {"kinds": {k: {"n": v["n"], "mean_ms": v["us"] / v["n"] / 1e3,
-                          "outside_ms": v["outside_us"] / v["n"] / 1e3} for k, v in r["kinds"].items()},
-            "busy": r["busy"], "trace": path.name}
+    return _report(prof, path, f"decode tokens {skip + 1}..{skip + steps}")
 
 
 def traced_prefill(eng, n: int, run: int, path: Path) -> dict:
     """Profile one prefill of an `n`-token prompt (no cached prefix), as `traced_steps` does a decode."""
     from engine.bench.slipstream_runs import _prompt
-    from engine.bench.trace_breakdown import breakdown, print_report
 
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
     eng.executor.label_sublayers = True
     try:
-        with torch.profiler.profile(activities=acts) as prof:
+        with _profiler() as prof:
             t = time.perf_counter()
             for _ in eng.generate(_prompt(n, run), max_new_tokens=1):
                 pass
             wall = time.perf_counter() - t
     finally:
         eng.executor.label_sublayers = False
-    raw = path.with_suffix("")
-    prof.export_chrome_trace(str(raw))
-    events = json.loads(raw.read_text())["traceEvents"]
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    raw.unlink()
-    r = breakdown(events)
-    print(f"-- prefill of {n} tokens (traced: {wall * 1e3:.0f} ms):", flush=True)
-    print_report(r, 6)
-    return {"tokens": n, "traced_ms": wall * 1e3, "busy": r["busy"], "trace": path.name,
-            "kinds": {k: {"n": v["n"], "mean_ms": v["us"] / v["n"] / 1e3} for k, v in r["kinds"].items()}}
+    return {"tokens": n, "traced_ms": wall * 1e3,
+            **_report(prof, path, f"prefill of {n} tokens (traced: {wall * 1e3:.0f} ms)")}
 
 
 def _rss_gib() -> float:
