@@ -23,6 +23,7 @@ memory: their rows are copied host to host with the rest, so a block's id can be
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -118,7 +119,8 @@ class HostTier:
 
     Slot s lives in chunk s // chunk_slots; a chunk is one flat buffer (pinned when `pin`) carved into a
     [n, *block shape] view per layer and part, allocated when first needed, never more than `cap_bytes`
-    in all."""
+    in all. Pinning is slow (~0.5 s per GiB): after a spill `grow_ahead` pins the room the next one will
+    want on a thread (one lock guards the chunks and the free list; a chunk is pinned under it)."""
 
     def __init__(self, pools: list[LayerPool], cap_bytes: int, pin: bool):
         self.specs = [p.part_specs() for p in pools]
@@ -128,6 +130,9 @@ class HostTier:
         self.pin = pin
         self.chunks: list[tuple[torch.Tensor, list[list[torch.Tensor]]]] = []
         self.free: list[int] = []
+        self._lock = threading.Lock()
+        self._grower: threading.Thread | None = None
+        self._closed = False
         self.set_cap(cap_bytes)
 
     def set_cap(self, cap_bytes: int) -> None:
@@ -143,28 +148,53 @@ class HostTier:
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(buf.numel() for buf, _ in self.chunks)
+        return sum(buf.numel() for buf, _ in list(self.chunks))
 
     def room(self) -> int:
         """Slots that can be taken without dropping anything."""
-        return len(self.free) + self.cap_slots - self.allocated_slots
+        with self._lock:
+            return len(self.free) + self.cap_slots - self.allocated_slots
 
     def take(self) -> int | None:
-        if not self.free and self.allocated_slots < self.cap_slots:
-            self._add_chunk()
-        if not self.free:
-            return None
-        self.free.sort()          # lowest first: a sequence's slots stay contiguous (fewer, larger copies)
-        return self.free.pop(0)
+        with self._lock:
+            if not self.free and self.allocated_slots < self.cap_slots:
+                self._add_chunk()
+            if not self.free:
+                return None
+            self.free.sort()      # lowest first: a sequence's slots stay contiguous (fewer, larger copies)
+            return self.free.pop(0)
 
     def give(self, slot: int) -> None:
-        self.free.append(slot)
+        with self._lock:
+            self.free.append(slot)
 
     def prewarm(self, n_bytes: int) -> None:
-        """Allocate chunks for `n_bytes` of slots now (pinning host memory is slow: ~0.5 s per GiB), so a
-        budget drop that spills KV here never waits for an allocation."""
-        while self.allocated_slots < self.cap_slots and self.allocated_bytes < n_bytes:
-            self._add_chunk()
+        """Allocate chunks for `n_bytes` of slots now, so a budget drop that spills KV here never waits
+        for an allocation."""
+        while True:
+            with self._lock:
+                if self._closed or self.allocated_slots >= self.cap_slots or self.allocated_bytes >= n_bytes:
+                    return
+                self._add_chunk()
+
+    def grow_ahead(self, n_slots: int) -> None:
+        """Make sure `n_slots` free slots (within the cap) are allocated soon, pinning on a thread."""
+        if self._grower is not None and self._grower.is_alive():
+            return
+
+        def run() -> None:
+            while True:
+                with self._lock:
+                    if self._closed or len(self.free) >= n_slots or self.allocated_slots >= self.cap_slots:
+                        return
+                    self._add_chunk()
+
+        self._grower = threading.Thread(target=run, name="slipstream-host-kv-pin", daemon=True)
+        self._grower.start()
+
+    def wait_grown(self) -> None:
+        if self._grower is not None:
+            self._grower.join()
 
     def _add_chunk(self) -> None:
         first = self.allocated_slots
@@ -188,8 +218,11 @@ class HostTier:
         return [v[r:r + n] for v in self.chunks[c][1][layer]]
 
     def close(self) -> None:
-        self.chunks.clear()
-        self.free.clear()
+        with self._lock:
+            self._closed = True
+            self.chunks.clear()
+            self.free.clear()
+        self.wait_grown()
 
 
 def _runs(pairs: list[tuple[int, int]], chunk: int) -> list[tuple[int, int, int]]:
@@ -460,6 +493,8 @@ class PagedKVCache:
             self.host_lru[slot] = None
         self._copy(sorted(slot_of.items()), to_host=True)
         self.host_stats["spilled_blocks"] += len(fresh)
+        if self._pinned and fresh:             # the next spill is likely as large: pin its room meanwhile
+            self.host.grow_ahead(len(fresh))
         self.host_stats["dropped_blocks"] += len(fresh) - len(chosen)
 
     def _copy_back(self, items: list[tuple[int, int, int | None, int]], seq: Sequence) -> None:

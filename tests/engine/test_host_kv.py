@@ -168,6 +168,31 @@ def test_a_spilled_sequence_goes_out_in_one_run_per_layer_and_comes_back(monkeyp
     assert same(contents(kv, again), want)
 
 
+def test_a_spill_pins_the_next_spills_room_on_a_thread(monkeypatch):
+    """After a spill from pinned pools the tier allocates as many free slots again on a thread (within
+    its cap), while slots taken meanwhile stay distinct."""
+    from engine.sharding import kvcache
+
+    slot_bytes = make_cache(host_blocks=1).host.slot_bytes
+    monkeypatch.setattr(kvcache, "HOST_CHUNK_BYTES", 4 * slot_bytes)      # chunks of 4 slots
+    kv = make_cache(host_blocks=40)
+    kv._pinned = True                      # (as beside a GPU; the sim tier's chunks are not pinned)
+    ids = list(range(6 * BLOCK_SIZE))
+    seq = Sequence()
+    fill(kv, seq, ids, seed=4)
+    kv.release(seq)
+    kv.shrink(0)
+    kv.host.wait_grown()
+    assert len(kv.host.free) >= 6 and kv.host.allocated_slots <= kv.host.cap_slots
+    tier = kv.host
+    tier.grow_ahead(tier.cap_slots)        # grows to the cap while this thread takes slots
+    taken = [tier.take() for _ in range(20)]
+    tier.wait_grown()
+    assert None not in taken and len(set(taken)) == 20
+    assert tier.allocated_slots == tier.cap_slots and len(tier.free) == tier.cap_slots - 6 - 20
+    assert tier.allocated_bytes <= tier.cap_bytes
+
+
 def test_offload_refuses_when_the_tier_is_full_of_held_blocks():
     kv = make_cache(host_blocks=2)
     a, b = Sequence(cacheable=False), Sequence(cacheable=False)
