@@ -485,7 +485,8 @@ class PagedKVCache:
         # A tier with room for fewer keeps the most recently used of them (as taking a slot each in turn,
         # each dropping the least recently used, would).
         chosen = fresh[max(len(fresh) - self._host_room(), 0):]
-        slots = [self._host_take(None) for _ in chosen]
+        slots = [s for s in (self._host_take(None) for _ in chosen) if s is not None]
+        chosen = chosen[len(chosen) - len(slots):]
         slot_of = dict(zip(sorted(b for b, _ in chosen), sorted(slots)))
         for block, h in chosen:                # the tier's recency keeps the pools' order
             slot = slot_of[block]

@@ -369,6 +369,14 @@ def test_budget_drop_does_not_wait_for_new_plan_tables(tiny_model, monkeypatch):
         return real(self, kv_tokens)
 
     monkeypatch.setattr(Planner, "_table", spy)
+    gate = threading.Event()                        # the refining thread prices once the test has looked
+    real_warm = Planner.warm
+
+    def gated_warm(self, kv_tokens):
+        gate.wait(60)
+        real_warm(self, kv_tokens)
+
+    monkeypatch.setattr(Planner, "warm", gated_warm)
     path = tiny_model("llama")
     eng = open_gpu_side(path, "auto")
     ref = engine.open_model(path, device="cpu", backend="torch", speculative=False, host_kv_gib=0)
@@ -376,6 +384,7 @@ def test_budget_drop_does_not_wait_for_new_plan_tables(tiny_model, monkeypatch):
     assert greedy(eng, LONG_A, n=12) == want
     high, before = eng.budget, eng.kv_tokens
     planner = eng.planner()                         # as after open: only the capacity in use is priced
+    real_warm(planner, before)
     planner._tables = {k: v for k, v in planner._tables.items() if k == before}
     planner._fronts = {k: v for k, v in planner._fronts.items() if k[0] == before}
     built.clear()
@@ -386,6 +395,7 @@ def test_budget_drop_does_not_wait_for_new_plan_tables(tiny_model, monkeypatch):
     planned = {p.kv_tokens for p in eng.planset.plans}
     assert planned == {before}                      # planned with the priced, larger capacity
     assert eng.accel.total_used <= eng.accel.usable(eng.budget)
+    gate.set()
     deadline = time.monotonic() + 60
     while {p.kv_tokens for p in eng.planset.plans} != {cut} and time.monotonic() < deadline:
         time.sleep(0.05)
