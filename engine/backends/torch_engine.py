@@ -184,10 +184,12 @@ class TorchEngine(Engine):
 
     def _cut_kv_to_use(self) -> None:
         """On a budget drop the KV capacity falls back to what the sequences in use need (twice that, the
-        growth rule); cached blocks past it go to the host-RAM tier, to come back by copy when wanted."""
+        growth rule, rounded up to a power of two: the drops of a long game session land on a few
+        capacities whose plans are priced once); cached blocks past it go to the host-RAM tier, to come
+        back by copy when wanted."""
         kv = self.executor.kv
-        need = 2 * kv.blocks_in_use() * BLOCK_SIZE
-        self.kv_tokens = min(self.kv_tokens, self._kv_capacity(max(need, KV_CUT_FLOOR_TOKENS)))
+        need = max(2 * kv.blocks_in_use() * BLOCK_SIZE, KV_CUT_FLOOR_TOKENS)
+        self.kv_tokens = min(self.kv_tokens, self._kv_capacity(1 << (need - 1).bit_length()))
         kv.shrink(self.kv_tokens // BLOCK_SIZE)
 
     # ---- budget and plans ----------------------------------------------------------------------

@@ -411,3 +411,23 @@ def test_budget_drop_does_not_wait_for_new_plan_tables(tiny_model, monkeypatch):
     assert cut < grown < eng.max_kv_tokens
     assert (grown, threading.current_thread().name) not in built
     eng.close()
+
+
+def test_budget_drops_land_on_power_of_two_kv_capacities(tiny_model, monkeypatch):
+    """Drops with different numbers of blocks in use cut the KV capacity to the same power of two, so a
+    long game session prices few capacities."""
+    eng = open_gpu_side(tiny_model("llama"), "auto", max_kv_tokens=2048, n_ctx=512)
+    kv = eng.executor.kv
+    eng._ensure_kv_capacity(1024)
+    cuts = []
+    for in_use in (5, 7, 8):
+        monkeypatch.setattr(kv, "blocks_in_use", lambda n=in_use: n)
+        eng.kv_tokens = 1024
+        eng._cut_kv_to_use()
+        cuts.append(eng.kv_tokens)
+    assert cuts == [256, 256, 256]
+    monkeypatch.setattr(kv, "blocks_in_use", lambda: 0)
+    eng.kv_tokens = 1024
+    eng._cut_kv_to_use()
+    assert eng.kv_tokens == 64                       # the floor
+    eng.close()
