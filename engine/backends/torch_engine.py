@@ -63,6 +63,13 @@ def resolve_device(device: str) -> str:
     raise BadInputError(f"device={device!r}: expected 'auto', 'cpu', 'sim', 'cuda' or 'cuda:N'")
 
 
+def cut_kv_tokens(blocks_in_use: int) -> int:
+    """The KV capacity a budget drop cuts to: twice the tokens in use, at least the floor, rounded up to
+    a power of two."""
+    need = max(2 * blocks_in_use * BLOCK_SIZE, KV_CUT_FLOOR_TOKENS)
+    return 1 << (need - 1).bit_length()
+
+
 class TorchEngine(Engine):
     """`path`: a GGUF file or Hugging Face folder, or an already loaded `LoadedModel` (benchmarks)."""
 
@@ -188,8 +195,7 @@ class TorchEngine(Engine):
         capacities whose plans are priced once); cached blocks past it go to the host-RAM tier, to come
         back by copy when wanted."""
         kv = self.executor.kv
-        need = max(2 * kv.blocks_in_use() * BLOCK_SIZE, KV_CUT_FLOOR_TOKENS)
-        self.kv_tokens = min(self.kv_tokens, self._kv_capacity(1 << (need - 1).bit_length()))
+        self.kv_tokens = min(self.kv_tokens, self._kv_capacity(cut_kv_tokens(kv.blocks_in_use())))
         kv.shrink(self.kv_tokens // BLOCK_SIZE)
 
     # ---- budget and plans ----------------------------------------------------------------------

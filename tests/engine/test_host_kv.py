@@ -390,7 +390,7 @@ def test_budget_drop_does_not_wait_for_new_plan_tables(tiny_model, monkeypatch):
     built.clear()
     eng.set_vram_budget(high * 3 // 4)
     cut = eng.kv_tokens
-    assert cut < before
+    assert cut < before and cut & (cut - 1) == 0
     assert (cut, threading.current_thread().name) not in built
     planned = {p.kv_tokens for p in eng.planset.plans}
     assert planned == {before}                      # planned with the priced, larger capacity
@@ -413,21 +413,11 @@ def test_budget_drop_does_not_wait_for_new_plan_tables(tiny_model, monkeypatch):
     eng.close()
 
 
-def test_budget_drops_land_on_power_of_two_kv_capacities(tiny_model, monkeypatch):
+def test_budget_drops_land_on_power_of_two_kv_capacities():
     """Drops with different numbers of blocks in use cut the KV capacity to the same power of two, so a
     long game session prices few capacities."""
-    eng = open_gpu_side(tiny_model("llama"), "auto", max_kv_tokens=2048, n_ctx=512)
-    kv = eng.executor.kv
-    eng._ensure_kv_capacity(1024)
-    cuts = []
-    for in_use in (5, 7, 8):
-        monkeypatch.setattr(kv, "blocks_in_use", lambda n=in_use: n)
-        eng.kv_tokens = 1024
-        eng._cut_kv_to_use()
-        cuts.append(eng.kv_tokens)
-    assert cuts == [256, 256, 256]
-    monkeypatch.setattr(kv, "blocks_in_use", lambda: 0)
-    eng.kv_tokens = 1024
-    eng._cut_kv_to_use()
-    assert eng.kv_tokens == 64                       # the floor
-    eng.close()
+    from engine.backends.torch_engine import KV_CUT_FLOOR_TOKENS, cut_kv_tokens
+
+    assert [cut_kv_tokens(n) for n in (5, 7, 8)] == [256, 256, 256]
+    assert cut_kv_tokens(9) == 512
+    assert cut_kv_tokens(0) == KV_CUT_FLOOR_TOKENS == 64
