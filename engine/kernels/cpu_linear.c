@@ -123,6 +123,17 @@ static inline __m512 load16(int dtype, const void *p, int64_t k, __mmask16 m) {
     return _mm512_cvtph_ps(h);
 }
 
+/* float32 -> bf16 bits (low 16 of each lane), round to nearest even, NaN quieted (as f32_to_bf16) */
+static inline __m512i bf16_round_bits(__m512 x) {
+    __m512i u = _mm512_castps_si512(x);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_srli_epi32(r, 16);
+}
+
 /* acc[r][t] over k in [0, K): the generic AVX-512 path (fp32 FMA after widening) */
 static inline __attribute__((always_inline)) void
 dots_avx512_impl(int dtype, const void *x, const void *w, int64_t K, const int nr, const int nt, int64_t n0,
@@ -427,14 +438,8 @@ int sl_weighted_sum(int dtype, void *out, const void *start, const void *y, cons
             __m512 p = _mm512_mul_ps(load16(dtype, (const uint16_t *)y + i * N, j, 0xffff),
                                      _mm512_set1_ps(load_elem(dtype, wt, i)));
             acc = _mm512_add_ps(acc, p);
-            if (dtype == DT_BF16) {        /* round to nearest even at bit 16; NaN quieted as f32_to_bf16 does */
-                __m512i u = _mm512_castps_si512(acc);
-                __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                        _mm512_set1_epi32(0x7f800000));
-                __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                    _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-                r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
-                acc = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+            if (dtype == DT_BF16) {        /* rounded to bf16 after every step, as one addcmul_ each would */
+                acc = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_round_bits(acc), 16));
             } else {
                 acc = _mm512_cvtph_ps(_mm512_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
             }
@@ -528,17 +533,6 @@ static inline __m512 hsum16(__m512 v[16]) {
     __m512 t = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44), _mm512_shuffle_ps(c[0], c[1], 0xEE));
     const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm512_permutexvar_ps(order, t);
-}
-
-/* float32 -> bf16 bits (low 16 of each lane), round to nearest even, NaN quieted (as f32_to_bf16) */
-static inline __m512i bf16_round_bits(__m512 x) {
-    __m512i u = _mm512_castps_si512(x);
-    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                            _mm512_set1_epi32(0x7f800000));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
-    return _mm512_srli_epi32(r, 16);
 }
 
 static inline void store16(int dtype, void *p, int64_t i, __m512 x, __mmask16 m) {
