@@ -478,10 +478,9 @@ class Executor:
             self.kv.write_many(layer, [(s.seq, s.start, s.n) for s in segs], k, v)
             if len(segs) == 1:
                 s = segs[0]
-                if s.n == 1 and s.masks[dev] is None:     # a decode token over a CPU pool: the native kernel
-                    out = self.kv.attend_decode(layer, [(s.seq, s.start + 1)], q)
-                    if out is not None:
-                        return out
+                out = self._decode_natively(layer, s, q)
+                if out is not None:
+                    return out
                 keys, values = self.kv.read(layer, s.seq, s.start + s.n)
                 return dense._attend(q, keys, values, s.masks[dev], gqa)
             out = torch.empty_like(q)
@@ -495,8 +494,7 @@ class Executor:
                 out.index_copy_(1, rows, od.squeeze(2).transpose(0, 1))
             for s in segs:
                 if decode is None or s not in decode.segs:
-                    if (s.n == 1 and s.masks[dev] is None
-                            and self.kv.attend_decode(layer, [(s.seq, s.start + 1)], q, [s.row], out) is not None):
+                    if self._decode_natively(layer, s, q, out) is not None:
                         continue
                     keys, values = self.kv.read(layer, s.seq, s.start + s.n)
                     out[:, s.row:s.row + s.n] = dense._attend(q[:, s.row:s.row + s.n], keys, values,
@@ -504,6 +502,13 @@ class Executor:
             return out
 
         return dense.attention_block(self.cfg, w, x, cos_sin[0], cos_sin[1], None, None, None, attend=attend)
+
+    def _decode_natively(self, layer: int, s: _Segment, q: torch.Tensor, out: torch.Tensor | None = None):
+        """Segment `s`'s attention through the native kernel over a CPU pool where it is one decode token
+        (into `out`'s rows of it where given, else a new tensor); None where that does not apply."""
+        if s.n != 1 or s.masks[q.device] is not None:
+            return None
+        return self.kv.attend_decode(layer, [(s.seq, s.start + 1)], q, None if out is None else [s.row], out)
 
     def _attend_over_host_kv(self, layer: int, q, k, v, segs: list[_Segment], gqa: bool) -> torch.Tensor:
         """Attention on the GPU over a KV cache kept in host memory, one sequence at a time (the plan books
@@ -516,8 +521,7 @@ class Executor:
         for s in segs:
             # (a simulated accelerator's q is on the CPU: its decode tokens take the native kernel, as under
             # any other plan)
-            if (s.n == 1 and s.masks[q.device] is None
-                    and self.kv.attend_decode(layer, [(s.seq, s.start + 1)], q, [s.row], out) is not None):
+            if self._decode_natively(layer, s, q, out) is not None:
                 continue
             keys, values = k[:, s.row:s.row + s.n], v[:, s.row:s.row + s.n]
             if s.start:

@@ -494,9 +494,9 @@ class PagedKVCache:
             self.host_lru[slot] = None
         self._copy(sorted(slot_of.items()), to_host=True)
         self.host_stats["spilled_blocks"] += len(fresh)
+        self.host_stats["dropped_blocks"] += len(fresh) - len(chosen)
         if self._pinned and fresh:             # the next spill is likely as large: pin its room meanwhile
             self.host.grow_ahead(len(fresh))
-        self.host_stats["dropped_blocks"] += len(fresh) - len(chosen)
 
     def _copy_back(self, items: list[tuple[int, int, int | None, int]], seq: Sequence) -> None:
         """(index in seq's table, host slot, hash, new block): copy each slot into its block, put the
