@@ -119,8 +119,9 @@ class HostTier:
 
     Slot s lives in chunk s // chunk_slots; a chunk is one flat buffer (pinned when `pin`) carved into a
     [n, *block shape] view per layer and part, allocated when first needed, never more than `cap_bytes`
-    in all. Pinning is slow (~0.5 s per GiB): after a spill `grow_ahead` pins the room the next one will
-    want on a thread (one lock guards the chunks and the free list; a chunk is pinned under it)."""
+    in all. Pinning is slow (~0.5 s per GiB) and stalls the other threads' page faults: a spill beside a
+    GPU takes only room pinned already, and `grow_ahead` pins what the next spill will want on a thread
+    while no sequence runs (one lock guards the chunks and the free list; a chunk is pinned under it)."""
 
     def __init__(self, pools: list[LayerPool], cap_bytes: int, pin: bool):
         self.specs = [p.part_specs() for p in pools]
@@ -132,6 +133,9 @@ class HostTier:
         self.free: list[int] = []
         self._lock = threading.Lock()
         self._grower: threading.Thread | None = None
+        self._target = 0           # free slots the grower pins up to
+        self._idle = threading.Event()
+        self._idle.set()
         self._closed = False
         self.set_cap(cap_bytes)
 
@@ -150,14 +154,14 @@ class HostTier:
     def allocated_bytes(self) -> int:
         return sum(buf.numel() for buf, _ in list(self.chunks))
 
-    def room(self) -> int:
-        """Slots that can be taken without dropping anything."""
+    def room(self, allocate: bool = True) -> int:
+        """Slots that can be taken without dropping anything (`allocate` False: without allocating)."""
         with self._lock:
-            return len(self.free) + self.cap_slots - self.allocated_slots
+            return len(self.free) + (self.cap_slots - self.allocated_slots if allocate else 0)
 
-    def take(self) -> int | None:
+    def take(self, allocate: bool = True) -> int | None:
         with self._lock:
-            if not self.free and self.allocated_slots < self.cap_slots:
+            if allocate and not self.free and self.allocated_slots < self.cap_slots:
                 self._add_chunk()
             if not self.free:
                 return None
@@ -178,23 +182,47 @@ class HostTier:
                 self._add_chunk()
 
     def grow_ahead(self, n_slots: int) -> None:
-        """Make sure `n_slots` free slots (within the cap) are allocated soon, pinning on a thread."""
-        if self._grower is not None and self._grower.is_alive():
+        """Make sure `n_slots` free slots (within the cap) are allocated soon: pinned on a thread while the
+        cache is idle (`set_idle`), since pinning holds the process's memory map and stalls every other
+        thread's page faults (a 4096-token prefill beside it lost ~25 ms per 64 MiB chunk, H200)."""
+        with self._lock:
+            self._target = max(self._target, n_slots)
+        self._start_grower()
+
+    def set_idle(self, idle: bool) -> None:
+        """No sequence is running (True) or one is (False): a running grower stops after its chunk."""
+        if idle == self._idle.is_set():
             return
+        if idle:
+            self._idle.set()
+            self._start_grower()
+        else:
+            self._idle.clear()
 
-        def run() -> None:
-            while True:
-                with self._lock:
-                    if self._closed or len(self.free) >= n_slots or self.allocated_slots >= self.cap_slots:
-                        return
-                    self._add_chunk()
+    def _start_grower(self) -> None:
+        with self._lock:
+            if self._grower is not None or self._closed or not self._idle.is_set() or not self._short():
+                return
+            self._grower = threading.Thread(target=self._grow_run, name="slipstream-host-kv-pin", daemon=True)
+            self._grower.start()
 
-        self._grower = threading.Thread(target=run, name="slipstream-host-kv-pin", daemon=True)
-        self._grower.start()
+    def _short(self) -> bool:
+        return len(self.free) < self._target and self.allocated_slots < self.cap_slots
+
+    def _grow_run(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or not self._short() or not self._idle.is_set():
+                    if not self._short():
+                        self._target = 0
+                    self._grower = None
+                    return
+                self._add_chunk()
 
     def wait_grown(self) -> None:
-        if self._grower is not None:
-            self._grower.join()
+        grower = self._grower
+        if grower is not None:
+            grower.join()
 
     def _add_chunk(self) -> None:
         first = self.allocated_slots
@@ -273,11 +301,14 @@ class PagedKVCache:
 
     # ---- block allocation ----------------------------------------------------------------------
     def _grow(self, n_blocks: int) -> None:
-        """Make every pool hold `n_blocks` logical blocks."""
+        """Make every pool hold `n_blocks` logical blocks. Beside a GPU the host tier then pins room for
+        as many on a thread (within its cap), so that spilling them later keeps them."""
         for i, pool in enumerate(self.pools):
             self._resize(i, pool, n_blocks, pool.on_gpu)
         self.free_blocks.extend(range(self.n_blocks, n_blocks))
         self.n_blocks = n_blocks
+        if self._pinned:
+            self.host.grow_ahead(n_blocks)
 
     def _resize(self, layer: int, pool: LayerPool, n_blocks: int, on_gpu: bool) -> None:
         """Reallocate one layer's pool with `n_blocks` blocks on the GPU or host, keeping its contents.
@@ -325,6 +356,7 @@ class PagedKVCache:
     @torch.inference_mode()
     def reserve(self, seq: Sequence, n_new: int) -> None:
         """Give `seq` blocks for `n_new` more tokens."""
+        self.host.set_idle(False)
         if seq.host_slots:
             self.restore(seq)
         need = -(-(seq.length + n_new) // BLOCK_SIZE) - len(seq.block_table)
@@ -341,6 +373,7 @@ class PagedKVCache:
         least one token is always left to compute), copying back those found in the host tier. Returns
         the number of tokens reused."""
         assert not seq.block_table and not seq.host_slots
+        self.host.set_idle(False)
         usable = (len(token_ids) - 1) // BLOCK_SIZE
         from_host: list[tuple[int, int, int]] = []           # (index in the table, host slot, hash)
         hashes = block_hashes(token_ids[:usable * BLOCK_SIZE])
@@ -412,6 +445,8 @@ class PagedKVCache:
 
     def release(self, seq: Sequence) -> None:
         self.truncate(seq, 0)
+        if not self.refs:                      # idle: the host tier may pin the room it wants now
+            self.host.set_idle(True)
 
     def blocks_in_use(self) -> int:
         return len(self.refs)
@@ -434,10 +469,11 @@ class PagedKVCache:
             self.host_lru[slot] = None
             self.host_lru.move_to_end(slot)
 
-    def _host_take(self, h: int | None) -> int | None:
+    def _host_take(self, h: int | None, allocate: bool = True) -> int | None:
         """A host slot for a block of chain hash `h` (None: private): a free one, else the least
-        recently used cached one; None when every slot is held by an offloaded sequence."""
-        slot = self.host.take()
+        recently used cached one; None when every slot is held by an offloaded sequence (`allocate`
+        False: or when no allocated slot is free)."""
+        slot = self.host.take(allocate)
         if slot is None and self.host_lru:
             slot, _ = self.host_lru.popitem(last=False)
             del self.host_block_of[self.host_hash.pop(slot)]
@@ -448,9 +484,9 @@ class PagedKVCache:
                 self.host_block_of[h] = slot
         return slot
 
-    def _host_room(self, keep: set[int] = frozenset()) -> int:
+    def _host_room(self, keep: set[int] = frozenset(), allocate: bool = True) -> int:
         """Host slots that can be taken, dropping cached ones but not those in `keep`."""
-        return self.host.room() + len(self.host_lru) - sum(1 for s in keep if s in self.host_lru)
+        return self.host.room(allocate) + len(self.host_lru) - sum(1 for s in keep if s in self.host_lru)
 
     def _copy(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         """Copy (pool block, host slot) pairs, every layer, in runs. On CUDA the copies are queued on
@@ -483,9 +519,13 @@ class PagedKVCache:
         # come least recently used first, which is a sequence's blocks backwards, and one slot per block in
         # that order made every block a copy of its own per layer (4096 tokens: 16k copies, ~0.15 s).
         # A tier with room for fewer keeps the most recently used of them (as taking a slot each in turn,
-        # each dropping the least recently used, would).
-        chosen = fresh[max(len(fresh) - self._host_room(), 0):]
-        slots = [s for s in (self._host_take(None) for _ in chosen) if s is not None]
+        # each dropping the least recently used, would). Beside a GPU the room is what is pinned already:
+        # pinning is ~0.5 s per GiB, and a spill runs in front of a prompt's first token (a 4096-token
+        # prompt of the 8B shape waited 0.22 s on it, H200); what does not fit is dropped (it is a cache),
+        # and the tier pins room for the next spill on a thread.
+        alloc = not self._pinned
+        chosen = fresh[max(len(fresh) - self._host_room(allocate=alloc), 0):]
+        slots = [s for s in (self._host_take(None, alloc) for _ in chosen) if s is not None]
         chosen = chosen[len(chosen) - len(slots):]
         slot_of = dict(zip(sorted(b for b, _ in chosen), sorted(slots)))
         for block, h in chosen:                # the tier's recency keeps the pools' order

@@ -102,6 +102,7 @@ class Family:
         ffn = [i for i, s in enumerate(subs) if s.kind in ("ffn", "experts")]
         routers = [idx[f"layers.{j}.ffn"] if cfg.is_moe_layer(j) else None for j in range(L)]
         head, embed = idx["head"], idx["embed"]
+        groups = {j: [i for i, s in enumerate(subs) if s.name.startswith(f"layers.{j}.experts.")] for j in range(L)}
         blocks, ks = [], []
         for k in attention_choices(L):
             order = attn[:k] + ffn
@@ -113,6 +114,8 @@ class Family:
                 base[order[:r]] = RES
                 rows = self._ffn_patterns(base, [f for f in ffn if base[f] != RES],
                                           _M_STEPS_MOE if cfg.is_moe else _M_STEPS)
+                if cfg.is_moe and k:
+                    rows = self._with_host_routers(rows, routers[:k], groups)
                 if k <= L // 4 and not cfg.is_moe:   # small budgets (few layers' KV in VRAM): the same with
                     # the later layers' attention streamed over their host-resident KV (a few k: planning time)
                     hkv = rows.copy()
@@ -147,6 +150,21 @@ class Family:
         self.weights = ((self.place == RES) * nb).sum(1)
         self.slots = np.minimum(n_slots, n_str) * np.where(streams, nb, 0).max(1)
         self.any_gpu = (self.place != CPU).any(1)
+
+    @staticmethod
+    def _with_host_routers(rows: np.ndarray, routers: list[int | None], groups: dict[int, list[int]]) -> np.ndarray:
+        """`rows` and, where they differ, the same rows with the router of every GPU-attention layer whose
+        expert groups all run on the CPU moved to the CPU too: the hidden state then crosses to the host
+        before the router instead of the MoE state after it, and the host scores the experts itself (a
+        small matmul, no GPU launches or sync of its own). The estimator picks between the two."""
+        moved = rows.copy()
+        for j, r in enumerate(routers):
+            if r is None or not groups[j]:
+                continue
+            host = (rows[:, groups[j]] == CPU).all(1)
+            moved[host, r] = CPU
+        differ = (moved != rows).any(1)
+        return np.concatenate([rows, moved[differ]]) if differ.any() else rows
 
     @staticmethod
     def _ffn_patterns(base: np.ndarray, free: list[int], m_steps: tuple[int, ...]) -> np.ndarray:

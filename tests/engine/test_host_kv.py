@@ -189,8 +189,62 @@ def test_a_spill_pins_the_next_spills_room_on_a_thread(monkeypatch):
     taken = [tier.take() for _ in range(20)]
     tier.wait_grown()
     assert None not in taken and len(set(taken)) == 20
-    assert tier.allocated_slots == tier.cap_slots and len(tier.free) == tier.cap_slots - 6 - 20
+    assert tier.allocated_slots == tier.cap_slots and len(tier.free) == tier.cap_slots - len(kv.host_lru) - 20
     assert tier.allocated_bytes <= tier.cap_bytes
+
+
+def test_a_spill_beside_a_gpu_takes_only_pinned_room_and_pins_more_on_a_thread(monkeypatch):
+    """Pinning is slow and a spill runs in front of a prompt's first token: beside a GPU a spill takes
+    only slots allocated already, drops the cached blocks that do not fit, and the tier pins room on its
+    thread, so the next spill keeps its blocks (they come back bit for bit)."""
+    import threading
+
+    kv = make_cache(host_blocks=40)
+    kv._pinned = True                      # (as beside a GPU; the sim tier's chunks are not pinned)
+    threads = []
+    add = kv.host._add_chunk
+    monkeypatch.setattr(kv.host, "_add_chunk", lambda: (threads.append(threading.current_thread().name), add())[1])
+    first = list(range(6 * BLOCK_SIZE))
+    seq = Sequence()
+    fill(kv, seq, first, seed=5)
+    kv.release(seq)
+    kv.shrink(0)                           # spills 6 cached blocks into a tier with nothing pinned
+    assert kv.host_stats["dropped_blocks"] == 6 and not kv.host_lru
+    kv.host.wait_grown()
+    assert threads and set(threads) == {"slipstream-host-kv-pin"}
+    assert len(kv.host.free) >= 6
+    second = [i + 1 for i in first]
+    seq = Sequence()
+    fill(kv, seq, second, seed=6)
+    want = contents(kv, seq)
+    kv.release(seq)
+    kv.shrink(0)
+    kv.host.wait_grown()
+    assert kv.host_stats["dropped_blocks"] == 6 and len(kv.host_lru) == 6
+    assert set(threads) == {"slipstream-host-kv-pin"}
+    again = Sequence()
+    assert kv.match_prefix(again, second + [0]) == len(second)
+    assert same(contents(kv, again), want)
+
+
+def test_the_tier_pins_only_while_no_sequence_runs():
+    """Pinning holds the process's memory map (other threads' page faults wait): room wanted while a
+    sequence runs is pinned once the last one is released."""
+    kv = make_cache(host_blocks=40)
+    kv._pinned = True
+    seq = Sequence()
+    fill(kv, seq, list(range(2 * BLOCK_SIZE)), seed=7)
+    kv.host.grow_ahead(8)
+    kv.host.wait_grown()
+    assert kv.host.allocated_slots == 0
+    other = Sequence()
+    fill(kv, other, list(range(100, 100 + BLOCK_SIZE)), seed=8)
+    kv.release(seq)                        # one still runs
+    kv.host.wait_grown()
+    assert kv.host.allocated_slots == 0
+    kv.release(other)
+    kv.host.wait_grown()
+    assert len(kv.host.free) >= 8
 
 
 def test_offload_refuses_when_the_tier_is_full_of_held_blocks():

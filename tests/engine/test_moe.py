@@ -338,8 +338,13 @@ def test_plan_report_places_routers_and_expert_groups(tiny_model):
         assert {"layers.0.ffn", "layers.1.ffn", "layers.0.experts.0", "layers.1.experts.7"} <= set(placement)
         assert set(placement.values()) <= {"resident", "streamed", "cpu"}
         assert "streamed" not in placement.values()
-        for i in range(eng.config.num_layers):    # a router runs where its layer's attention does
-            assert (placement[f"layers.{i}.ffn"] == "cpu") == (placement[f"layers.{i}.attn"] == "cpu")
+        for i in range(eng.config.num_layers):    # a router runs on the GPU only beside its attention, and
+            # on the CPU beside GPU attention only where all its layer's experts run on the CPU
+            groups = [v for k, v in placement.items() if k.startswith(f"layers.{i}.experts.")]
+            if placement[f"layers.{i}.attn"] == "cpu":
+                assert placement[f"layers.{i}.ffn"] == "cpu"
+            elif placement[f"layers.{i}.ffn"] == "cpu":
+                assert set(groups) == {"cpu"}
     eng.close()
 
 
@@ -366,7 +371,43 @@ def test_moe_plans_fit_and_keep_attention_in_place(cfg, fracs, kv_tokens, kind):
             for s in planner.spec.sublayers:
                 if s.kind == "router":
                     attn_gpu = p.placement[f"layers.{s.layer}.attn"] is not Placement.CPU
-                    assert (p.placement[s.name] is not Placement.CPU) == attn_gpu
+                    router_gpu = p.placement[s.name] is not Placement.CPU
+                    groups = {v for k, v in p.placement.items() if k.startswith(f"layers.{s.layer}.experts.")}
+                    # on the GPU only beside GPU attention; on the CPU beside it only before CPU experts
+                    assert router_gpu <= attn_gpu
+                    assert router_gpu or not attn_gpu or groups == {Placement.CPU}
+
+
+def test_h200_decode_plans_score_routers_on_the_host_beside_cpu_experts():
+    """With the H200's measured profile, the decode plan of the Qwen3-30B-A3B shape (24 layers, as the GPU
+    suite runs it) keeps attention on the GPU and moves the router of each layer whose experts all run on
+    the CPU there too: one hidden state crosses instead of the MoE state, and no GPU router launches."""
+    import dataclasses
+    from pathlib import Path
+
+    from engine.bench.shapes import get_shape
+    from engine.commands.plan import profile_from_file
+    from engine.sharding.planner import Planner
+
+    prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
+    cfg = dataclasses.replace(get_shape("qwen3-30b-a3b"), num_layers=24)
+    planner = Planner(ModelSpec.from_config(cfg), prof, tiers=(1, 64))
+    p = planner.plan("3584MiB", kv_tokens=4352).plans[0]
+    host_routers = 0
+    for j in range(cfg.num_layers):
+        groups = {v for k, v in p.placement.items() if k.startswith(f"layers.{j}.experts.")}
+        assert p.placement[f"layers.{j}.attn"] is not Placement.CPU
+        if groups == {Placement.CPU}:
+            assert p.placement[f"layers.{j}.ffn"] is Placement.CPU
+            host_routers += 1
+        else:
+            assert p.placement[f"layers.{j}.ffn"] is Placement.RESIDENT
+    assert host_routers >= cfg.num_layers // 2
+    placed = dict(p.placement)
+    for j in range(cfg.num_layers):       # the same plan with routers beside their attention is slower
+        placed[f"layers.{j}.ffn"] = Placement.RESIDENT
+    est = planner.estimator
+    assert est.estimate(placed, 1, 2176) > est.estimate(p.placement, 1, 2176)
 
 
 def test_expected_experts_grow_with_the_tier():
@@ -399,7 +440,7 @@ def test_decode_reads_only_the_routed_experts():
     assert est.costs(4096, 4096).cpu_ms[i] > whole
 
 
-def test_qwen3_30b_a3b_static_plan_keeps_attention_routers_and_head_resident():
+def test_qwen3_30b_a3b_static_plan_keeps_attention_and_head_resident_and_routers_beside_their_experts():
     from engine.bench.shapes import get_shape
 
     planner = _planner(get_shape("qwen3-30b-a3b"), tiers=(1, 64))
@@ -407,8 +448,11 @@ def test_qwen3_30b_a3b_static_plan_keeps_attention_routers_and_head_resident():
     for p in ps.plans:
         assert p.kind == "static"
         for s in planner.spec.sublayers:
-            if s.kind in ("attn", "router", "head"):
+            if s.kind in ("attn", "head"):
                 assert p.placement[s.name] is Placement.RESIDENT, s.name
+            elif s.kind == "router":    # on the host only where every expert of its layer runs there
+                groups = {v for k, v in p.placement.items() if k.startswith(f"layers.{s.layer}.experts.")}
+                assert p.placement[s.name] is Placement.RESIDENT or groups == {Placement.CPU}, s.name
         assert any(p.placement[s.name] is Placement.CPU for s in planner.spec.sublayers if s.kind == "experts")
     for p in planner.plan("4GiB", kv_tokens=4096, force_kind="dynamic").plans:
         assert p.kind == "dynamic"
