@@ -261,6 +261,7 @@ class Scheduler:
                 self.waiting.popleft()
             try:
                 # Plan for the KV it brings (blocks copied back from host RAM need room in the pools).
+                self.engine._retry_budget()
                 self.engine._ensure_kv_capacity((self.blocks_in_use() + need) * BLOCK_SIZE)
                 self._resume(req)
             except (OutOfBudgetError, torch.OutOfMemoryError) as exc:

@@ -31,6 +31,7 @@ from engine.units import parse_bytes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_CONTEXT = 8192
+OOM_RETRIES = 3                  # out-of-memory back-offs after which the next request tries the asked budget again
 SIM_DEFAULT_BUDGET = 1 << 40     # "sim" without a budget: a notional GPU with room for everything
 INITIAL_KV_TOKENS = 2048
 KV_CUT_FLOOR_TOKENS = 64  # a budget drop cuts the KV capacity to twice the tokens in use, never below this
@@ -157,6 +158,9 @@ class TorchEngine(Engine):
         self.planset = None
         self._pending_budget: int | None = None
         self._pending_reason = "set_vram_budget"
+        self._wanted_budget = 0            # the budget asked for (open, set_vram_budget)
+        self._retry_wanted = False         # an out-of-memory back-off: the next prompt tries it again
+        self._oom_retries = OOM_RETRIES
         self._budget_lock = threading.Lock()
         self._refining = False                    # a thread prices the plans of a cut KV capacity
         self.replans: list[dict] = []             # history of re-plans (time, budget, reason, ms)
@@ -174,7 +178,8 @@ class TorchEngine(Engine):
         self.budget = 0
         if kind != "auto":
             self.force_plan(kind)
-        self._set_budget_now(self._initial_budget(vram_budget), "open")
+        self._wanted_budget = self._initial_budget(vram_budget)
+        self._set_budget_now(self._wanted_budget, "open")
         if self.accel is not None and self.accel.kind == "cuda":
             # room in pinned host memory for the KV that sits in VRAM now: a budget drop spills it at once
             self.executor.kv.host.prewarm(self.executor.kv.gpu_bytes())
@@ -333,6 +338,7 @@ class TorchEngine(Engine):
             # A CPU-only engine has no VRAM to use; the budget is recorded and has no effect.
             self.budget = budget
             return
+        self._wanted_budget, self._oom_retries, self._retry_wanted = budget, OOM_RETRIES, False
         self._post_budget(budget, "set_vram_budget")
 
     def force_plan(self, kind: str) -> None:
@@ -416,7 +422,18 @@ class TorchEngine(Engine):
                     raise BudgetError(f"out of memory even with nothing on the GPU: {exc}") from exc
                 smaller = int(self.budget * 0.75) if attempt < 6 else 0
                 self._set_budget_now(smaller, f"out of memory ({exc.__class__.__name__}); retrying")
+                if self._oom_retries > 0 and self._wanted_budget > self.budget:
+                    self._oom_retries -= 1
+                    self._retry_wanted = True
         raise BudgetError("could not run a step within any budget")
+
+    def _retry_budget(self) -> None:
+        """At a request's start: an out-of-memory back-off is not kept for good, the request tries the
+        budget asked for again (re-planned with the process overhead NVML shows now, which counts the
+        kernels loaded since). Only the first OOM_RETRIES back-offs after set_vram_budget ask for one."""
+        if self._retry_wanted:
+            self._retry_wanted = False
+            self._post_budget(self._wanted_budget, "retry the budget asked for after out of memory")
 
     def _plan_for_step(self, n_new: int):
         """The plan of the step's tier; but a small step (a decode, a speculative verify, a small batch)
@@ -586,6 +603,7 @@ class TorchEngine(Engine):
         seq = Sequence() if vp is None else Sequence(rope_delta=vp.delta, cacheable=False)
         try:
             sampler = Sampler(params)
+            self._retry_budget()
             if vp is None:
                 # Blocks this prompt shares with an earlier one (the conversation so far) are reused,
                 # copied back from the host-RAM tier where they were moved out of VRAM.
@@ -704,6 +722,7 @@ class TorchEngine(Engine):
             raise BadInputError(f"score: token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
         with self._lock:
             seq = Sequence()      # every position's logits are wanted: nothing is taken from the cache
+            self._retry_budget()
             try:
                 return self._run(seq, ids, True)
             finally:

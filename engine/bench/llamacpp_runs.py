@@ -194,8 +194,9 @@ def runs_note_for(prompts: tuple[int, ...]) -> str:
     """What a row's note adds when its llama-bench runs are not the standard `-p 512,4096 -n 32 -r 1`."""
     if tuple(prompts) == tuple(PROMPTS):
         return ""
-    return (f"; llama-bench -p {','.join(str(p) for p in prompts)} -n {DECODE_TOKENS} -r 1 (no "
-            f"{max(PROMPTS)}-token prefill: every run reloads the model)")
+    missing = [str(p) for p in PROMPTS if p not in prompts]
+    why = f" (no {'/'.join(missing)}-token prefill in these runs: every run reloads the model)" if missing else ""
+    return f"; llama-bench -p {','.join(str(p) for p in prompts)} -n {DECODE_TOKENS} -r 1{why}"
 
 
 def tuned_row(model: str, budget: str, budget_b: int, allowance: int, runs: list[dict]) -> dict:

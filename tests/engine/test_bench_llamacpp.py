@@ -124,3 +124,12 @@ def test_search_stops_without_a_verdict_when_a_run_is_cut_by_the_time_limit():
 
     res = lp.search_fit(LLAMA, "ngl", 9 * GB, measure, c_prior=1.6 * GB)
     assert res.aborted and res.x is None and len(calls) == 1 and not res.runs
+
+
+def test_a_rows_note_names_the_prefill_lengths_its_runs_left_out():
+    from engine.bench.llamacpp_runs import runs_note_for
+
+    assert runs_note_for((512, 4096)) == ""
+    assert "-p 512 " in runs_note_for((512,)) and "no 4096-token prefill" in runs_note_for((512,))
+    only_long = runs_note_for((4096,))
+    assert "-p 4096 " in only_long and "no 512-token prefill" in only_long and "no 4096" not in only_long
