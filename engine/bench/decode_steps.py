@@ -26,7 +26,7 @@ from engine.units import parse_bytes
 def token_times(eng, prompt: str, n: int) -> list[float]:
     """Seconds between consecutive yielded tokens (the first entry is time to the first token)."""
     out, last = [], time.perf_counter()
-    for ev in eng.generate(prompt, max_new_tokens=n):
+    for ev in eng.generate(prompt, max_new_tokens=n, temperature=1.0, seed=len(prompt)):   # (as the suite)
         if ev.token_id is None:            # the final event carries no token
             continue
         now = time.perf_counter()

@@ -326,6 +326,12 @@ def merge(folders: list[Path], out: Path, dry_run: bool = False, say=print) -> i
                          f"{sc['vocab']['source']}.")
     if any(r.get("model") == "qwen3-30b-a3b" for r in rows):
         notes.append("qwen3-30b-a3b: 24 of its 48 layers (all runs alike).")
+    withheld = sorted({f"{r['model']} {r['system']}" for r in rows
+                       if any(k.endswith("_tps_repeated_prompt") for k in r)})
+    if withheld:
+        notes.append(f"Prefill not shown for {', '.join(withheld)}: measured over a prompt of one repeated byte, "
+                     "which a MoE router sends to a few experts (a real prompt, and llama-bench's random tokens, "
+                     "touch them all); the raw figures stay in the part file as prefill*_tps_repeated_prompt.")
     result = {"machine": machine, "date": now_iso(), "rows": rows, "ratios": ratios(rows), "corun": corun,
               "notes": notes,
               "related": related(out),

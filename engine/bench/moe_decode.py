@@ -26,7 +26,7 @@ from engine.bench.scenarios import DRY_SCENARIOS, SCENARIOS
 from engine.bench.slipstream_runs import compact_plan, open_engine, placements_by_kind
 from engine.units import format_bytes, parse_bytes
 
-PROMPT = "x" * 64
+PROMPT = "".join(chr(33 + (i * 37) % 94) for i in range(64))   # varied bytes: routing spreads as for text
 SKIP = 3            # decode steps left out of the rate (first-step and warm-up effects)
 
 

@@ -12,6 +12,7 @@ as such. A scenario the engine cannot open (MoE before its support lands) gets r
 from __future__ import annotations
 
 import os
+import random
 import statistics
 import time
 import traceback
@@ -45,7 +46,12 @@ def _empty_cache() -> None:
 
 
 def _prompt(n: int, run: int) -> str:
-    return chr(ord("A") + run % 26) + "x" * (n - 1)      # the byte tokenizer: one token per byte
+    """`n` printable bytes (the byte tokenizer: one token per byte), drawn afresh for each run. Not one
+    byte repeated: a mixture-of-experts router then sends nearly every token to the same few experts, so
+    a prefill copies or computes a few of them where a real prompt (or llama-bench's random tokens) needs
+    them all (sessions 4-7 measured the MoE shape's prefill that way, above its physical bound)."""
+    rng = random.Random(1000 + run)
+    return "".join(chr(rng.randrange(33, 127)) for _ in range(n))
 
 
 def prefill_tps(eng, n: int, run: int) -> float:
@@ -59,7 +65,9 @@ def decode_tps(eng, run: int, n_new: int = DECODE_TOKENS, copied: dict | None = 
     token on: a MoE decode streams only routed experts)."""
     ex = getattr(eng, "executor", None)
     first = None
-    for _ in eng.generate(_prompt(DECODE_PROMPT, run), max_new_tokens=n_new):
+    # Sampled, not greedy: a random-weight model's greedy output tends to repeat one token, which routes
+    # every MoE decode step to the same experts (llama-bench feeds random tokens).
+    for _ in eng.generate(_prompt(DECODE_PROMPT, run), max_new_tokens=n_new, temperature=1.0, seed=run):
         if first is None and ex is not None:
             first = ex.copied_bytes
     if copied is not None and first is not None:

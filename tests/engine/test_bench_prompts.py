@@ -1,0 +1,39 @@
+"""The GPU suite's prompts exercise a mixture-of-experts model as text would: its prefill touches every
+expert (a prompt of one repeated byte sends nearly every token to a few experts, which made the suite's
+MoE prefill rows read above their physical bound, sessions 4-7)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from engine.bench.scenarios import DRY_SCENARIOS
+from engine.bench.slipstream_runs import _prompt, open_engine
+from engine.models import moe
+
+
+def _experts_of_first_layer(eng, prompt: str, monkeypatch) -> Counter:
+    seen: list[list[int]] = []
+    real = moe.route
+
+    def spy(cfg, logits, dtype=None):
+        w, i = real(cfg, logits, dtype)
+        seen.append(i.reshape(-1).tolist())
+        return w, i
+
+    monkeypatch.setattr(moe, "route", spy)
+    list(eng.generate(prompt, max_new_tokens=1))
+    monkeypatch.setattr(moe, "route", real)
+    return Counter(seen[0])
+
+
+def test_suite_prompts_spread_a_moe_prefill_over_every_expert(monkeypatch):
+    eng = open_engine(DRY_SCENARIOS["tiny-moe"], 64 << 20, "sim", 2048)
+    try:
+        spread = _experts_of_first_layer(eng, _prompt(512, 0), monkeypatch)
+        repeated = _experts_of_first_layer(eng, "A" + "x" * 511, monkeypatch)
+    finally:
+        eng.close()
+    assert len(spread) == eng.config.num_experts
+    assert max(spread.values()) < 0.4 * sum(spread.values())
+    assert len(repeated) < len(spread) or max(repeated.values()) > 0.4 * sum(repeated.values())
+    assert _prompt(64, 1) != _prompt(64, 2) and len(set(_prompt(64, 1))) > 20
