@@ -251,7 +251,9 @@ NOTES = [
     "FFNs on the CPU (-ot ffn_.*=CPU; --n-cpu-moe for MoE), each at its largest fitting configuration."),
     ("Prefill t/s: llama-bench pp512/pp4096 (with its warm-up); Slipstream prompt tokens / time to first token "
     "(median of --runs); accelerate one forward pass. Decode t/s: tg32 / 32 tokens after a 64-token prompt / "
-    "4 tokens (accelerate: about 0.5 t/s, so few)."),
+    "4 tokens (accelerate: about 0.5 t/s, so few). llama-bench feeds random tokens; Slipstream's prompts "
+    "are random printable bytes (one token each) and its decode samples at temperature 1 (from session 7; "
+    "before, one repeated byte and greedy decoding)."),
     ("Batched decode (4, 16 sequences): llama-batched-bench (aggregate t/s) where it ran; Slipstream: its "
     "continuous-batching scheduler, 4 or 16 requests submitted at once, 16 new tokens each after a 64-token "
     "prompt, aggregate tokens/s over the wall time (prefill included)."),

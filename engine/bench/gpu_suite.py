@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 PARTS = ("build-llamacpp", "gguf", "llamacpp", "slipstream", "accelerate", "corun", "merge")
+ENGINE_PARTS = ("slipstream", "accelerate")    # parts that open an engine (or a model) in their own process
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +132,18 @@ def run(args: argparse.Namespace) -> int:
             rc = subprocess.call([sys.executable, "-m", "engine.bench.gpu_suite", *child_argv(sys.argv[1:], p)])
             code = code or rc
         return code
+    models = [m for m in (args.models or "").split(",") if m]
+    if parts[0] in ENGINE_PARTS and len(models) > 1:
+        # One shape per process as well: a second engine in one process met an out-of-memory at 2 GiB
+        # (session 7), its budget then cut by a quarter for the rest of that row. The children share --out
+        # and resume from each other's part file.
+        code = 0
+        for m in models:
+            print(f"=== part {parts[0]}, {m} ===", flush=True)
+            rc = subprocess.call([sys.executable, "-m", "engine.bench.gpu_suite",
+                                  *child_argv(sys.argv[1:], parts[0], m)])
+            code = code or rc
+        return code
     from engine.bench import gpu_parts
 
     _use_gguf_wheel(Path(args.carry))
@@ -140,20 +153,22 @@ def run(args: argparse.Namespace) -> int:
     return rc
 
 
-def child_argv(argv: list[str], part: str) -> list[str]:
-    """This command's arguments for one part (without `bench --gpu`, with `--part PART`)."""
+def child_argv(argv: list[str], part: str, models: str | None = None) -> list[str]:
+    """This command's arguments for one part (without `bench --gpu`, with `--part PART`, and with
+    `--models MODELS` in place of its own where given)."""
+    drop = ("--part", "--models") if models else ("--part",)
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in ("bench", "--gpu") or a.startswith("--part="):
+        if a in ("bench", "--gpu") or any(a.startswith(d + "=") for d in drop):
             continue
-        if a == "--part":
+        if a in drop:
             skip = True
             continue
         out.append(a)
-    return ["--part", part, *out]
+    return ["--part", part, *(["--models", models] if models else []), *out]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,3 +121,14 @@ def test_ratios_compare_with_the_fastest_fitting_llamacpp_row_and_judge_the_targ
     md = ratio_table(ratios(rows))
     assert "| llama3-8b | 4GiB | decode | 6.00 | best llama.cpp (llama.cpp-tuned) | 5.00 | 1.20x | at least 1.5x | **no** |" in md
     assert "| llama3-8b | 2GiB | decode | 3.00 | best llama.cpp | not run | - | reported | - |" in md
+
+
+def test_engine_parts_run_one_shape_per_process():
+    """`--part slipstream --models a,b` runs a child process per shape, each with its own --models."""
+    from engine.bench.gpu_suite import child_argv
+
+    argv = ["bench", "--gpu", "--part", "slipstream", "--models", "llama3-8b,qwen3-30b-a3b", "--out", "x"]
+    assert child_argv(argv, "slipstream", "qwen3-30b-a3b") == [
+        "--part", "slipstream", "--models", "qwen3-30b-a3b", "--out", "x"]
+    assert child_argv(["--part=slipstream,corun", "--models=a,b", "--dry-run"], "corun") == [
+        "--part", "corun", "--models=a,b", "--dry-run"]
