@@ -22,6 +22,7 @@ mid-step (a budget drop never waits for a long prefill to finish).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -110,6 +111,10 @@ class Executor:
         self.between_sublayers: Callable[[], bool] | None = None
         self.copied_bytes = 0                       # weight bytes streamed so far (stats)
         self.label_sublayers = False                # name each sub-layer in profiler traces
+        # When a dict: host seconds of each sub-layer (its start to the next one's, so a crossing's copy
+        # and wait count where they happen: in the sub-layer that needs the moved input), summed per
+        # "placement/kind" as [count, seconds] (`engine.bench.host_costs`; no profiler, no overhead)
+        self.sublayer_times: dict[str, list] | None = None
         # MoE sub-layers: router name -> None; expert group name -> (its experts, last group of its layer)
         self.moe_steps: dict[str, tuple[range, bool] | None] = {}
         self._moe_layer: dict[str, int] = {}         # MoE sub-layer -> its layer
@@ -365,9 +370,12 @@ class Executor:
             self._prime(streamed)
         fused: set[str] = set()       # expert groups already run together with an earlier group of their layer
         label = None
+        times, last, t_last = self.sublayer_times, None, 0.0
         for name in self.order:
             if name in fused:
                 continue
+            if times is not None:
+                t_last, last = _tally(times, last, t_last, self._time_key(name))
             if self.label_sublayers:           # a profiler range per sub-layer (benchmarks' traces)
                 if label is not None:
                     label.__exit__(None, None, None)
@@ -406,6 +414,8 @@ class Executor:
                 self._after_streamed(name, streamed)
         if label is not None:
             label.__exit__(None, None, None)
+        if times is not None:
+            _tally(times, last, t_last, None)
         for seg, it in zip(segs, items):
             seg.seq.length = seg.start + seg.n
             seg.seq.token_ids.extend(it.ids)
@@ -416,6 +426,13 @@ class Executor:
             out.append(logits[at:at + k])
             at += k
         return out
+
+    def _time_key(self, name: str) -> str:
+        """`layers.3.ffn` placed on the CPU -> `cpu/ffn` (`cpu/router` for a MoE router, `cpu/experts`
+        for expert groups run together)."""
+        kind = "experts" if ".experts." in name else (
+            "router" if name in self.moe_steps and self.moe_steps[name] is None else name.rsplit(".", 1)[-1])
+        return f"{self.plan.placement[name].value}/{kind}"
 
     def _moe_step(self, name: str, step: tuple[range, bool] | None, w, x):
         layer = self._moe_layer[name]
@@ -552,3 +569,13 @@ class Executor:
 
 def blocks_for(tokens: int) -> int:
     return -(-tokens // BLOCK_SIZE)
+
+
+def _tally(times: dict, last: str | None, t_last: float, key: str | None) -> tuple[float, str | None]:
+    """Close the sub-layer `last` (started at `t_last`) into `times`; start `key` now."""
+    now = time.perf_counter()
+    if last is not None:
+        entry = times.setdefault(last, [0, 0.0])
+        entry[0] += 1
+        entry[1] += now - t_last
+    return now, key
