@@ -16,6 +16,8 @@ SmolLM2-135M's CPU sub-layers at about 4.5x).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import statistics
 import sys
 import time
@@ -78,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", default="60GiB")
     ap.add_argument("--kinds", default="auto,gpu_only,static")
     ap.add_argument("--tokens", type=int, default=24)
-    ap.add_argument("--device", default="cuda", help="cuda, or sim (a dry run on this machine)")
+    ap.add_argument("--layers", type=int, default=0, help="keep this many layers of the shape (0: all)")
+    ap.add_argument("--device", default="cuda", help="cuda, cpu, or sim (a dry run on this machine)")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
     from engine.bench.slipstream_runs import open_engine
@@ -86,14 +89,18 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = {**SCENARIOS, **DRY_SCENARIOS, **SHAPE_SCENARIOS}
     if args.shape not in scenarios:
         raise SystemExit(f"--shape: unknown {args.shape!r}; known: {', '.join(scenarios)}")
-    eng = open_engine(scenarios[args.shape], parse_bytes(args.budget), args.device, 1024)
+    scenario = scenarios[args.shape]
+    if args.layers:
+        scenario = dataclasses.replace(scenario, layers=args.layers)
+    eng = open_engine(scenario, parse_bytes(args.budget), args.device, 1024)
     results = []
     try:
         for kind in args.kinds.split(","):
             r = measure_kind(eng, kind, args.tokens)
             results.append(r)
+            pred = r["predicted_step_ms"]
             print(f"== {args.shape} {args.budget} {kind} ({r['plan']}): median {r['median_token_ms']:.2f} ms per "
-                  f"token, predicted {r['predicted_step_ms']:.2f}")
+                  f"token, predicted " + (f"{pred:.2f}" if math.isfinite(pred) and pred else "- (no GPU: no plan prices)"))
             print("| placement/kind | per step | measured ms each | measured ms per step | predicted ms per step |"
                   " measured / predicted |")
             print("|---|---|---|---|---|---|")

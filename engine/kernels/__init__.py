@@ -40,6 +40,8 @@ SOURCE = Path(__file__).with_name("cpu_linear.c")
 SPIN = 2000               # pause instructions a kernel worker spins for the next job before sleeping (~0.1 ms)
 MIN_WEIGHTS = 1 << 22      # smaller matrices stay with PyTorch: waking a second thread pool costs more than
                            # it saves (a 135M model decoded slower with it on two cores)
+MIN_WEIGHTS_16BIT = 1 << 16   # 16-bit weights: PyTorch's one-row bf16 matmul is slower than the pool at every size
+MAX_NORM_ELEMENTS = 1 << 16   # rms_norm natively up to this many elements (decode; a prompt keeps PyTorch's)
 MAX_ROWS = 16              # above this many rows PyTorch's blocked GEMM (AMX/AVX-512) is the better path
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ISA = {0: "portable C", 1: "AVX-512", 2: "AVX512-BF16"}
@@ -143,6 +145,10 @@ def _load():
         lib.sl_paged_attention.restype = ctypes.c_int
         lib.sl_paged_attention_fast.restype = ctypes.c_int
         _attention_fast = bool(lib.sl_paged_attention_fast())
+        lib.sl_rms_norm.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                    ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_float]
+        lib.sl_rms_norm.restype = ctypes.c_int
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
@@ -208,7 +214,9 @@ def set_attention_enabled(flag: bool) -> bool:
     return old
 
 
-def usable(x: torch.Tensor, w: torch.Tensor, min_weights: int = MIN_WEIGHTS) -> bool:
+def usable(x: torch.Tensor, w: torch.Tensor, min_weights: int | None = None) -> bool:
+    if min_weights is None:
+        min_weights = MIN_WEIGHTS if w.dtype == torch.float32 else MIN_WEIGHTS_16BIT
     if _building.is_set():
         return False
     return (_enabled and x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype and x.dtype in _DTYPES
@@ -218,7 +226,7 @@ def usable(x: torch.Tensor, w: torch.Tensor, min_weights: int = MIN_WEIGHTS) -> 
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           min_weights: int = MIN_WEIGHTS) -> torch.Tensor | None:
+           min_weights: int | None = None) -> torch.Tensor | None:
     """`x @ w.T (+ bias)` through the native kernel, or None where it does not apply (the caller then
     uses PyTorch). x [..., K], w [N, K], bias [N]; all on the CPU, one dtype. Matrices of fewer than
     `min_weights` elements are left to PyTorch."""
@@ -360,6 +368,33 @@ def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero
 
 MAX_HEAD_DIM = 256         # the C side's limit (an item's scratch lives on its thread's stack)
 KV_BLOCK = 16              # tokens per pool block the C side reads (kvcache.BLOCK_SIZE)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, weight2: torch.Tensor | None = None,
+             period: int = 0, split: int = 0) -> torch.Tensor | None:
+    """The engine's rms_norm over the last dimension of a CPU tensor in one native call (decode rows: the
+    dozen small PyTorch ops it replaces cost more than the arithmetic), or None where it does not apply.
+    With `weight2`, rows whose index (over all leading dimensions) modulo `period` is `split` or more
+    take it instead of `weight`."""
+    if not _enabled or _building.is_set() or x.device.type != "cpu" or x.dtype not in _DTYPES:
+        return None
+    n = x.shape[-1]
+    for w in (weight, weight2):
+        if w is not None and (w.device.type != "cpu" or w.dim() != 1 or w.shape[0] != n or not w.is_contiguous()
+                              or w.dtype not in (x.dtype, torch.float32)):
+            return None
+    if weight2 is not None and weight2.dtype != weight.dtype:
+        return None
+    if not x.is_contiguous() or x.requires_grad or x.numel() > MAX_NORM_ELEMENTS:
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    out = torch.empty_like(x)
+    rc = lib.sl_rms_norm(_DTYPES[x.dtype], _DTYPES[weight.dtype], x.data_ptr(), weight.data_ptr(),
+                         None if weight2 is None else weight2.data_ptr(), out.data_ptr(), x.numel() // n, n,
+                         period, split, float(eps))
+    return out if rc == 0 else None
 
 
 def attention_ready() -> bool:

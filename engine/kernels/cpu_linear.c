@@ -903,6 +903,44 @@ int sl_paged_attention_fast(void) {
 #endif
 }
 
+/* ---- RMS norm of decode rows -------------------------------------------------------------------------
+ * out[r] = w(r) * (x[r] * 1 / sqrt(mean(x[r]^2) + eps)), with the rounding steps of the engine's PyTorch
+ * rms_norm: the row is squared, averaged and scaled in float32; with a weight of the activations' dtype
+ * the scaled row is rounded to that dtype first and the product rounded again (one 16-bit multiply), with
+ * a float32 weight the product is taken in float32 and rounded once. w(r) is w1, or w2 for the rows whose
+ * index modulo `period` is `split` or more (the key heads after the query heads of a q/k norm). Only the
+ * order of the float32 sum of squares differs from PyTorch's (its last bits). One thread: a row is a few
+ * thousand elements. */
+int sl_rms_norm(int dtype, int wdtype, const void *x, const void *w1, const void *w2, void *out, int64_t rows,
+                int64_t n, int64_t period, int64_t split, float eps) {
+    if (rows < 0 || n <= 0 || (wdtype != dtype && wdtype != DT_F32)) return -1;
+    for (int64_t r = 0; r < rows; r++) {
+        const void *w = (w2 && period > 0 && r % period >= split) ? w2 : w1;
+        int64_t at = r * n;
+        float acc[16] = {0};
+        int64_t i = 0;
+        for (; i + 16 <= n; i += 16)
+            for (int l = 0; l < 16; l++) {
+                float v = load_elem(dtype, x, at + i + l);
+                acc[l] += v * v;
+            }
+        float sum = 0.0f;
+        for (int l = 0; l < 16; l++) sum += acc[l];
+        for (; i < n; i++) {
+            float v = load_elem(dtype, x, at + i);
+            sum += v * v;
+        }
+        float scale = 1.0f / sqrtf(sum / (float)n + eps);
+        for (i = 0; i < n; i++) {
+            float y = load_elem(dtype, x, at + i) * scale;
+            float wv = load_elem(wdtype, w, i);
+            if (wdtype == dtype && dtype != DT_F32) y = round_to(dtype, y);
+            store_elem(dtype, out, at + i, wv * y);
+        }
+    }
+    return 0;
+}
+
 /* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C. */
 int sl_isa(void) {
 #if defined(__AVX512BF16__)

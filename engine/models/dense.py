@@ -34,6 +34,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.device.type == "cpu":          # decode rows on the CPU: one native call (the same rounding steps)
+        y = kernels.rms_norm(x, weight, eps)
+        if y is not None:
+            return y
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if weight.dtype != x.dtype:           # a float32 norm over 16-bit activations: scaled in float32
@@ -79,6 +83,10 @@ def _qk_normed(cfg: ModelConfig, w, qk: torch.Tensor) -> torch.Tensor:
     """`rms_norm` of the query heads by q_norm and of the key heads by k_norm, [n, heads + kv_heads, d], in
     one pass: the same elementwise steps as two calls, with half the launches."""
     qw, kw = w["q_norm.weight"], w["k_norm.weight"]
+    if qk.device.type == "cpu" and qk.is_contiguous():
+        y = kernels.rms_norm(qk, qw, cfg.rms_norm_eps, kw, cfg.num_heads + cfg.num_kv_heads, cfg.num_heads)
+        if y is not None:
+            return y
     if qw.dtype != qk.dtype or kw.dtype != qk.dtype:
         nh = cfg.num_heads
         return torch.cat([rms_norm(qk[:, :nh], qw, cfg.rms_norm_eps), rms_norm(qk[:, nh:], kw, cfg.rms_norm_eps)], 1)

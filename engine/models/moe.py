@@ -19,7 +19,7 @@ as in transformers, so every placement sums in the same order and gives the same
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import compress
+from itertools import accumulate, compress
 from operator import ne
 
 import torch
@@ -99,7 +99,12 @@ def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, 
     CPU (the next expert group runs there), the counts read back in the same copy as the state."""
     h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
     router = w["router.weight"]
-    top_w, top_i = route(cfg, linear(h.to(router.dtype), router), h.dtype)
+    hr = h.to(router.dtype)
+    # The router matrix (experts x hidden, e.g. 128 x 2048) is far below the native kernel's size floor,
+    # but PyTorch's one-row 16-bit matmul took 0.3-0.5 ms for it in a decode step (CPU, session 7): the
+    # native one, with its pool awake from the layer's other matmuls, a fraction of that.
+    logits = kernels.linear(hr, router, min_weights=0) if hr.device.type == "cpu" else None
+    top_w, top_i = route(cfg, linear(hr, router) if logits is None else logits, h.dtype)
     if host and x.device.type != "cpu":
         # The state goes to the host anyway: the top k come with it in one copy and are sorted there. On a
         # GPU the sort and the count are a dozen launches, one of them (bincount) a sync of its own, for a
@@ -110,12 +115,21 @@ def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, 
     rows, weights, ends = _sorted_pairs(cfg, top_w, top_i)
     if sync is not None and x.device.type != "cpu":
         sync()
-    return MoeState(x, h, None, rows, weights, [0, *ends.tolist()])
+    return MoeState(x, h, None, rows, weights, [0, *(ends if isinstance(ends, list) else ends.tolist())])
 
 
 def _sorted_pairs(cfg: ModelConfig, top_w: torch.Tensor, top_i: torch.Tensor):
     """(token row, weight) of every (token, expert) pair sorted by expert (stable), and each expert's end
-    in that order."""
+    in that order (a tensor where the pairs are, or a host list)."""
+    if top_i.shape[0] == 1 and top_i.device.type == "cpu":
+        # One token on the host (decode): its k experts are distinct, so sorting them in Python gives the
+        # same order as the stable sort, without the five small tensor ops of the general path.
+        ids = top_i[0].tolist()
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        counts = [0] * cfg.num_experts
+        for e in ids:
+            counts[e] += 1
+        return torch.zeros(len(ids), dtype=torch.long), top_w[0, order], list(accumulate(counts))
     flat = top_i.reshape(-1)
     order = torch.argsort(flat, stable=True)
     ends = torch.cumsum(torch.bincount(flat, minlength=cfg.num_experts), 0)

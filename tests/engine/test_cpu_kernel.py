@@ -203,3 +203,62 @@ def test_pool_under_oversubscription_gives_exact_results():
             assert all(torch.equal(a, b) for a, b in zip(got_many, want_many))
     finally:
         torch.set_num_threads(before)
+
+
+def _torch_rms_norm(x, weight, eps):
+    """dense.rms_norm's PyTorch steps (the reference the native norm follows)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight.dtype != x.dtype:
+        return (weight.float() * x32).to(x.dtype)
+    return weight * x32.to(x.dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("wide_weight", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 576), (1, 40, 128), (2, 7)])
+def test_native_rms_norm_follows_the_pytorch_steps(dtype, wide_weight, shape):
+    """The same rounding steps as the PyTorch norm: 16-bit results equal but for the last bit of a few
+    elements, float32 ones within four units of the last place (only the order of the sum of squares differs)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(torch.float32 if wide_weight else dtype)
+    got = kernels.rms_norm(x, w, 1e-6)
+    want = _torch_rms_norm(x, w, 1e-6)
+    assert got is not None and got.dtype == dtype and got.shape == x.shape
+    ulp = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10, torch.float32: 2 ** -21}[dtype]
+    diff = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)
+    assert diff.max().item() <= 1.01 * ulp
+    if dtype != torch.float32:     # (in float32 a last-bit change of a row's scale shows in all its elements)
+        assert (got != want).float().mean().item() <= 0.02
+
+
+@needs_kernel
+def test_native_rms_norm_two_weights_by_row_and_its_fallbacks():
+    """q/k norms in one call: rows whose head index is past `split` take the second weight; what the
+    kernel cannot take returns None (the caller keeps PyTorch)."""
+    g = torch.Generator().manual_seed(3)
+    nh, nkv, d = 4, 2, 64
+    qk = torch.randn(2, nh + nkv, d, generator=g).to(torch.bfloat16)
+    qw, kw = (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16), (torch.rand(d, generator=g) + 0.5).to(torch.bfloat16)
+    got = kernels.rms_norm(qk, qw, 1e-6, kw, nh + nkv, nh)
+    want = torch.cat([_torch_rms_norm(qk[:, :nh], qw, 1e-6), _torch_rms_norm(qk[:, nh:], kw, 1e-6)], 1)
+    assert (got.float() - want.float()).abs().max().item() <= 2 ** -7 * want.float().abs().max().item()
+    assert (got != want).float().mean().item() <= 0.02
+    assert kernels.rms_norm(qk[:, :, ::2], qw[::2].contiguous(), 1e-6) is None          # not contiguous
+    assert kernels.rms_norm(qk, qw.to(torch.float16), 1e-6) is None                    # another 16-bit weight
+    assert kernels.rms_norm(torch.randn(300, 4096).to(torch.bfloat16), torch.ones(4096), 1e-6) is None  # a prompt
+
+
+@needs_kernel
+def test_sixteen_bit_matrices_go_native_from_a_lower_size_than_float32():
+    """PyTorch's one-row bf16 matmul is slower than the pool at every size measured (a router matrix, a
+    135M model's projections), its float32 one faster below a few million weights."""
+    x16, w16 = torch.randn(1, 576).to(torch.bfloat16), torch.randn(1536, 576).to(torch.bfloat16)
+    assert kernels.usable(x16, w16) and kernels.usable(x16[:, :512], w16[:128, :512])
+    assert not kernels.usable(x16[:, :64], w16[:64, :64])                  # 4k weights: PyTorch
+    assert not kernels.usable(x16.float(), w16.float())                    # float32 below MIN_WEIGHTS
+    assert kernels.usable(torch.randn(1, 2048), torch.randn(2048, 2048))
+    y = kernels.linear(x16, w16)
+    assert y is not None and torch.allclose(y.float(), (x16.float() @ w16.float().T), rtol=2e-2, atol=2e-2)

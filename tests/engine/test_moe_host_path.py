@@ -158,3 +158,24 @@ def test_packed_state_finishes_the_same(arch):
             b = moe.finish(moe.experts_block(cfg, w, packed, rest))
             assert torch.equal(a, b)
     assert s.to("cpu") is s
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_one_token_routing_sorted_on_the_host_matches_the_general_path(seed):
+    """Decode's routing state is sorted in Python (no tensor sort, count or cumsum): the same pairs,
+    weights and expert bounds as the stable sort of the general path."""
+    from engine.bench.shapes import get_shape
+
+    cfg = get_shape("qwen3-30b-a3b")
+    g = torch.Generator().manual_seed(seed)
+    top_i = torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok][None]
+    top_w = torch.rand(1, cfg.num_experts_per_tok, generator=g).to(torch.bfloat16)
+    rows, weights, ends = moe._sorted_pairs(cfg, top_w, top_i)
+    flat = top_i.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    want_ends = torch.cumsum(torch.bincount(flat, minlength=cfg.num_experts), 0).tolist()
+    assert isinstance(ends, list) and ends == want_ends
+    assert torch.equal(rows, order // cfg.num_experts_per_tok)
+    assert torch.equal(weights, top_w.reshape(-1)[order])
+    two = moe._sorted_pairs(cfg, top_w.repeat(2, 1), top_i.repeat(2, 1))   # more tokens: the general path
+    assert not isinstance(two[2], list) and two[2][-1].item() == 2 * cfg.num_experts_per_tok
