@@ -21,11 +21,12 @@ stream), `static` streams nothing (resident by priority, the rest on the CPU), `
 Mixture-of-experts models: the units that become resident or stream after attention are the expert
 groups (and the dense FFNs of layers without experts), front to back; a MoE layer's router is resident
 whenever its attention runs on the GPU and on the CPU otherwise (it is tiny, and the hidden state is
-then already where it runs). So the static plan keeps attention, routers and the head resident with the
-experts on the CPU, and dynamic plans stream expert groups. As a MoE model has many more units than
-layers, r runs over a geometric ladder (steps of at most ~15%) of attention layers up to k and then of
-units past it, and m over powers of two, which keeps the planning time within a few times a dense
-model's.
+then already where it runs), and each member comes again with the router of every GPU-attention layer
+whose expert groups all run on the CPU moved there too (one hidden state crosses instead of the MoE
+state; the estimator picks). So the static plan keeps attention and the head resident with the experts on
+the CPU, and dynamic plans stream expert groups. As a MoE model has many more units than layers, r runs
+over a geometric ladder (steps of at most ~15%) of attention layers up to k and then of units past it,
+and m over powers of two, which keeps the planning time within a few times a dense model's.
 
 Each member's VRAM (`engine.sharding.memory`) and predicted time per tier (`engine.sharding.estimator`)
 are computed once per KV capacity (about a second for an 8B model); a plan is then a lookup of the
@@ -33,7 +34,8 @@ fastest member under the budget, per tier (about a millisecond). All tiers of a 
 cache of the first k layers lives in VRAM, the others' in host memory, so no KV moves between tiers) and
 whether the head is resident: the pair whose plans minimise `score`, the predicted time of a reference workload (decode
 steps and one input per tier). Resident sets of the tiers are then nested (prefixes of one order, and
-the same head), so switching tiers only adds or drops a tail.
+the same head), so switching tiers only adds or drops a tail; MoE routers are apart (a router may run on
+the host beside its layer's CPU experts in one tier and on the GPU in another: half a megabyte each).
 
 Because the family does not depend on the budget, more budget never predicts a worse PlanSet score, nor
 a slower plan for a tier while the shared choices stay; budget 0 always has the all-CPU plan (0 bytes).

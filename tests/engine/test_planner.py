@@ -118,9 +118,12 @@ def test_huge_budget_real_shapes_run_resident(shape):
 @SETTINGS
 @given(cfg=model_configs(), frac=st.floats(0.05, 1.0))
 def test_tiers_share_nested_resident_sets(cfg, frac):
+    """Switching tiers adds or drops a tail of resident weights; MoE routers (half a megabyte each) are
+    apart: one may run on the host beside its CPU experts in a decode tier and on the GPU in another."""
     planner = planner_for(cfg)
     ps = planner.plan(budgets_for(planner, [frac])[0], kv_tokens=256)
-    sets = [set(p.resident()) - {"embed"} for p in ps.plans]
+    routers = {s.name for s in planner.spec.sublayers if s.kind == "router"}
+    sets = [set(p.resident()) - {"embed"} - routers for p in ps.plans]
     for a in sets:
         for b in sets:
             assert a <= b or b <= a
