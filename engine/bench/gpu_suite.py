@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 PARTS = ("build-llamacpp", "gguf", "llamacpp", "slipstream", "accelerate", "corun", "merge")
-ENGINE_PARTS = ("slipstream", "accelerate")    # parts that open an engine (or a model) in their own process
+ENGINE_PARTS = ("slipstream",)    # parts that open an engine per shape: one process per shape
+                                   # (accelerate runs the dense shape only unless --models says more)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,8 +133,10 @@ def run(args: argparse.Namespace) -> int:
             rc = subprocess.call([sys.executable, "-m", "engine.bench.gpu_suite", *child_argv(sys.argv[1:], p)])
             code = code or rc
         return code
-    models = [m for m in (args.models or "").split(",") if m]
-    if parts[0] in ENGINE_PARTS and len(models) > 1:
+    from engine.bench.scenarios import pick
+
+    models = [sc.model for sc in pick(args.models, args.dry_run)] if parts[0] in ENGINE_PARTS else []
+    if len(models) > 1:
         # One shape per process as well: a second engine in one process met an out-of-memory at 2 GiB
         # (session 7), its budget then cut by a quarter for the rest of that row. The children share --out
         # and resume from each other's part file.
