@@ -99,12 +99,9 @@ def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, 
     CPU (the next expert group runs there), the counts read back in the same copy as the state."""
     h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
     router = w["router.weight"]
-    hr = h.to(router.dtype)
-    # The router matrix (experts x hidden, e.g. 128 x 2048) is far below the native kernel's size floor,
-    # but PyTorch's one-row 16-bit matmul took 0.3-0.5 ms for it in a decode step (CPU, session 7): the
-    # native one, with its pool awake from the layer's other matmuls, a fraction of that.
-    logits = kernels.linear(hr, router, min_weights=0) if hr.device.type == "cpu" else None
-    top_w, top_i = route(cfg, linear(hr, router) if logits is None else logits, h.dtype)
+    # (on the CPU a 16-bit router, e.g. 128 x 2048, takes the native matmul: PyTorch's one-row 16-bit
+    # matmul took 0.3-0.5 ms for it in a decode step, session 7; see kernels.MIN_WEIGHTS_16BIT)
+    top_w, top_i = route(cfg, linear(h.to(router.dtype), router), h.dtype)
     if host and x.device.type != "cpu":
         # The state goes to the host anyway: the top k come with it in one copy and are sorted there. On a
         # GPU the sort and the count are a dozen launches, one of them (bincount) a sync of its own, for a
