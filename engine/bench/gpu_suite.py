@@ -127,12 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if args.deadline_epoch:
         os.environ["SLIPSTREAM_BENCH_DEADLINE"] = str(args.deadline_epoch)
     if len(parts) > 1:                        # each part in its own process: no CUDA context carries over
-        code = 0
-        for p in parts:
-            print(f"=== part {p} ===", flush=True)
-            rc = subprocess.call([sys.executable, "-m", "engine.bench.gpu_suite", *child_argv(sys.argv[1:], p)])
-            code = code or rc
-        return code
+        return run_children([(f"part {p}", child_argv(sys.argv[1:], p)) for p in parts])
     from engine.bench.scenarios import pick
 
     models = [sc.model for sc in pick(args.models, args.dry_run)] if parts[0] in ENGINE_PARTS else []
@@ -140,13 +135,7 @@ def run(args: argparse.Namespace) -> int:
         # One shape per process as well: a second engine in one process met an out-of-memory at 2 GiB
         # (session 7), its budget then cut by a quarter for the rest of that row. The children share --out
         # and resume from each other's part file.
-        code = 0
-        for m in models:
-            print(f"=== part {parts[0]}, {m} ===", flush=True)
-            rc = subprocess.call([sys.executable, "-m", "engine.bench.gpu_suite",
-                                  *child_argv(sys.argv[1:], parts[0], m)])
-            code = code or rc
-        return code
+        return run_children([(f"part {parts[0]}, {m}", child_argv(sys.argv[1:], parts[0], m)) for m in models])
     from engine.bench import gpu_parts
 
     _use_gguf_wheel(Path(args.carry))
@@ -154,6 +143,17 @@ def run(args: argparse.Namespace) -> int:
     rc = gpu_parts.run_part(parts[0], args, machine_info(), command_line())
     print(f"part {parts[0]}: {time.perf_counter() - t0:.0f} s", flush=True)
     return rc
+
+
+def run_children(children: list[tuple[str, list[str]]]) -> int:
+    """Run `python -m engine.bench.gpu_suite ARGV` for each (title, ARGV) in turn; the first failing exit
+    status, else 0."""
+    code = 0
+    for title, argv in children:
+        print(f"=== {title} ===", flush=True)
+        rc = subprocess.call([sys.executable, "-m", "engine.bench.gpu_suite", *argv])   # (every child runs)
+        code = code or rc
+    return code
 
 
 def child_argv(argv: list[str], part: str, models: str | None = None) -> list[str]:
