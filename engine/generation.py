@@ -69,11 +69,36 @@ class Sampler:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < p.top_p
+            probs = nucleus(probs, p.top_p)
+        return draw(probs, self.generator)
+
+
+NUCLEUS_FIRST = 256     # candidates looked at first for top-p; 8x more each time they hold too little mass
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`probs` kept on the smallest set of most likely tokens whose mass reaches `top_p` (the first always
+    kept), the rest zeroed (not renormalised: `draw` scales by the total). The set is looked for among the
+    top 256 tokens, then 2048, ...: a full sort of a 150k vocabulary costs 20 ms per token on a 2-core
+    host, the top 256 under 1 ms, and a trained model's nucleus is usually among them."""
+    k = min(NUCLEUS_FIRST, probs.numel())
+    while True:
+        top, idx = torch.topk(probs, k)                 # descending
+        cum = torch.cumsum(top, 0)
+        if cum[-1] >= top_p or k == probs.numel():
+            keep = cum - top < top_p
             keep[0] = True
-            probs = torch.zeros_like(probs).scatter_(0, idx[keep], sorted_p[keep])
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            return torch.zeros_like(probs).scatter_(0, idx[keep], top[keep])
+        k = min(k * 8, probs.numel())
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token drawn with chance proportional to `probs` (non-negative, any total), by the inverse of
+    the cumulative distribution: a zero-probability token is never drawn. torch.multinomial does the same
+    in about 5 ms over a 150k vocabulary on a 2-core host, this in about 0.3 ms."""
+    cdf = torch.cumsum(probs.double(), 0)
+    u = torch.rand(1, generator=generator, dtype=torch.float64) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
 
 
 @dataclass(slots=True)

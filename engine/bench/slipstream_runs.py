@@ -4,7 +4,8 @@ One engine per scenario over random weights (drawn on the GPU), opened at the sm
 larger budget is applied with `set_vram_budget` (a live re-plan, as in use), budgets ascending, so the
 NVML peak of a budget can only include leftovers of a smaller one. Per budget: a warm-up at each prompt
 length, then `runs` prefills of each length (prefill tokens/s = prompt tokens / time to first token; each
-prompt differs from its first byte on, so no cached prefix is reused) and one decode of 32 tokens after
+prompt, at every length and budget, is drawn afresh, so no cached prefix is reused: each row records the
+prefix-cache hits its measured prefills saw, which must be 0) and one decode of 32 tokens after
 a 64-token prompt (tokens/s after the first). Batched decode: not supported by the engine yet, recorded
 as such. A scenario the engine cannot open (MoE before its support lands) gets rows that say why.
 """
@@ -46,29 +47,38 @@ def _empty_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def _prompt(n: int, run: int) -> str:
-    """`n` printable bytes (the byte tokenizer: one token per byte), drawn afresh for each run. Not one
-    byte repeated: a mixture-of-experts router then sends nearly every token to the same few experts, so
-    a prefill copies or computes a few of them where a real prompt (or llama-bench's random tokens) needs
-    them all (sessions 4-7 measured the MoE shape's prefill that way, above its physical bound)."""
-    rng = random.Random(1000 + run)
+def _prompt(n: int, run: int, salt: str = "") -> str:
+    """`n` printable bytes (the byte tokenizer: one token per byte), drawn afresh for each (salt, length,
+    run). Not one byte repeated: a mixture-of-experts router then sends nearly every token to the same few
+    experts, so a prefill copies or computes a few of them where a real prompt (or llama-bench's random
+    tokens) needs them all (sessions 4-7 measured the MoE shape's prefill that way, above its physical
+    bound). Not one stream per run either: the 512-byte prompt was then the 4096-byte one's prefix, and a
+    budget's prompts the next budget's, so the prefix cache served part of a prefill (session 8's first
+    call read the MoE shape at 8 GiB 2.2x above its bound)."""
+    rng = random.Random(f"{salt}:{n}:{run}")
     return "".join(chr(rng.randrange(33, 127)) for _ in range(n))
 
 
-def prefill_tps(eng, n: int, run: int) -> float:
-    for _ in eng.generate(_prompt(n, run), max_new_tokens=1):
+def prefill_tps(eng, n: int, run: int, salt: str = "", hits: list | None = None) -> float:
+    """Prompt tokens / time to first token of one fresh prompt; with `hits`, appends the prefix-cache hit
+    tokens the prefill saw (0 unless a prompt repeats)."""
+    before = int(eng.stats().get("prefix_hit_tokens") or 0)
+    for _ in eng.generate(_prompt(n, run, salt), max_new_tokens=1):
         pass
-    return float(eng.stats()["prefill_tokens_per_s"])
+    s = eng.stats()
+    if hits is not None:
+        hits.append(int(s.get("prefix_hit_tokens") or 0) - before)
+    return float(s["prefill_tokens_per_s"])
 
 
-def decode_tps(eng, run: int, n_new: int = DECODE_TOKENS, copied: dict | None = None) -> float:
+def decode_tps(eng, run: int, n_new: int = DECODE_TOKENS, copied: dict | None = None, salt: str = "") -> float:
     """Decode tokens/s; with `copied`, also the weight bytes streamed per decode step (from the first
     token on: a MoE decode streams only routed experts)."""
     ex = getattr(eng, "executor", None)
     first = None
     # Sampled, not greedy: a random-weight model's greedy output tends to repeat one token, which routes
     # every MoE decode step to the same experts (llama-bench feeds random tokens).
-    for _ in eng.generate(_prompt(DECODE_PROMPT, run), max_new_tokens=n_new, temperature=1.0, seed=run):
+    for _ in eng.generate(_prompt(DECODE_PROMPT, run, salt), max_new_tokens=n_new, temperature=1.0, seed=run):
         if first is None and ex is not None:
             first = ex.copied_bytes
     if copied is not None and first is not None:
@@ -105,15 +115,18 @@ def measure_budget(eng, budget: int, runs: int, poll: VramPoller) -> dict:
     _empty_cache()
     poll.samples.clear()
     t0 = time.perf_counter()
+    salt = f"b{budget}"
     for n in PROMPTS:                                    # warm-up at each length
-        prefill_tps(eng, n, 25)
-    decode_tps(eng, 24, 4)
+        prefill_tps(eng, n, 25, salt)
+    decode_tps(eng, 24, 4, salt=salt)
     out: dict = {}
+    hits: list[int] = []
     for n in PROMPTS:
-        out[f"prefill{n}_tps"] = statistics.median(prefill_tps(eng, n, r) for r in range(runs))
+        out[f"prefill{n}_tps"] = statistics.median(prefill_tps(eng, n, r, salt, hits) for r in range(runs))
+    out["prefill_prefix_hit_tokens"] = sum(hits)
     # Decode: the median of DECODE_RUNS runs (a lease's speed drifts by several percent from one run of 32
     # tokens to the next; one run per budget made the row a draw)
-    tps = [decode_tps(eng, runs + i, copied=out if i == 0 else None) for i in range(max(DECODE_RUNS, runs))]
+    tps = [decode_tps(eng, runs + i, copied=out if i == 0 else None, salt=salt) for i in range(max(DECODE_RUNS, runs))]
     out["decode_tps"], out["decode_tps_runs"] = statistics.median(tps), [round(t, 3) for t in tps]
     if hasattr(eng, "submit"):          # continuous batching: B streams submitted at once
         from engine.bench.batch_throughput import run_streams
