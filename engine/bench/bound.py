@@ -106,4 +106,5 @@ def bound_row(model: str, shape: GgufShape, budget_name: str, budget: int, rates
                    f"CPU {rates.cpu_gbps:.0f} + PCIe {rates.pcie_gbps:.0f} GB/s together" + profile_note}
     for p in prompts:
         row[f"prefill{p}_tps"] = prefill_bound_tps(sb, budget, rates, p)
+        row[f"prefill{p}_tps_rates_alone"] = prefill_bound_tps(sb, budget, rates, p, alone=True)
     return row

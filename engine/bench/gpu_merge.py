@@ -254,11 +254,15 @@ NOTES = [
     "(Slipstream: the median of 3 such runs from session 7 on; one before) / "
     "4 tokens (accelerate: about 0.5 t/s, so few). llama-bench feeds random tokens; Slipstream's prompts "
     "are random printable bytes (one token each) and its decode samples at temperature 1 (from session 7; "
-    "before, one repeated byte and greedy decoding)."),
+    "before, one repeated byte and greedy decoding), each prompt drawn afresh per length, budget and run "
+    "(from session 8; before, a budget's prompts and the 512-token one repeated earlier prompts' starts, "
+    "which the prefix cache served)."),
     ("Batched decode (4, 16 sequences): llama-batched-bench (aggregate t/s) where it ran; Slipstream: its "
     "continuous-batching scheduler, 4 or 16 requests submitted at once, 16 new tokens each after a 64-token "
     "prompt, aggregate tokens/s over the wall time (prefill included)."),
-    "bound: not a run; the physical bound from the measured profile (see engine/bench/bound.py).",
+    ("bound: not a run; the physical bound from the measured profile (see engine/bench/bound.py), with the "
+    "CPU and PCIe rates measured together. A prefill that streams over PCIe while the CPU idles may pass it "
+    "(the MoE shape's): results.json also gives the bound at the rates measured alone (*_rates_alone)."),
     ("Co-run: the card is capped (BudgetPolicy total_cap for Slipstream's monitor; the stand-in's own "
     "accounting against NVML's device total for its simulated out-of-memory) to stand for a client GPU."),
 ]
