@@ -38,20 +38,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         y = kernels.rms_norm(x, weight, eps)
         if y is not None:
             return y
-    if x.is_cuda and weight.dtype == x.dtype:
-        return weight * _normed(x, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if weight.dtype != x.dtype:           # a float32 norm over 16-bit activations: scaled in float32
         return (weight.float() * x32).to(x.dtype)
     return weight * x32.to(x.dtype)
-
-
-def _normed(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) computed in float32 and rounded to x's dtype, as the steps above do before
-    the weight, in one PyTorch call: on the GPU each op costs the host 10-20 us to issue, and a one-token
-    decode step's norms are a fifth of a GPU attention's ops (H200 traces, session 8)."""
-    return F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
 def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
@@ -99,11 +90,8 @@ def _qk_normed(cfg: ModelConfig, w, qk: torch.Tensor) -> torch.Tensor:
     if qw.dtype != qk.dtype or kw.dtype != qk.dtype:
         nh = cfg.num_heads
         return torch.cat([rms_norm(qk[:, :nh], qw, cfg.rms_norm_eps), rms_norm(qk[:, nh:], kw, cfg.rms_norm_eps)], 1)
-    if qk.is_cuda:
-        out = _normed(qk, cfg.rms_norm_eps)
-    else:
-        x32 = qk.float()
-        out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)).to(qk.dtype)
+    x32 = qk.float()
+    out = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)).to(qk.dtype)
     out[:, :cfg.num_heads].mul_(qw)
     out[:, cfg.num_heads:].mul_(kw)
     return out
