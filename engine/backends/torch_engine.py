@@ -238,6 +238,10 @@ class TorchEngine(Engine):
             cpu = {s.name: Placement.CPU for s in self.spec.sublayers}
             return PlanSet(0, [Plan(t, "static", dict(cpu), 0) for t in self.tiers])
         kind = None if self._forced == "auto" else self._forced
+        from engine.sharding import graphs
+
+        # (the one-token CUDA graphs' pool and capture workspace stay out of the plans: see graphs.py)
+        budget -= graphs.reserve_for(budget, self.accel)
         return self.planner().plan(budget, kv_tokens=self.kv_tokens if kv_tokens is None else kv_tokens,
                                    force_kind=kind)
 
@@ -384,6 +388,8 @@ class TorchEngine(Engine):
                  prefix_hit_rate=kv.prefix_stats["hit_tokens"] / max(kv.prefix_stats["prompt_tokens"], 1),
                  last_replan_ms=self.replans[-1]["replan_ms"] if self.replans else None)
         s.update(kv.host_report())
+        if self.executor.graphs is not None:
+            s.update(self.executor.graphs.stats())
         if self.vision is not None:
             last = self.vision_pass.last or {}
             s.update(vision_passes=self.vision_pass.passes, vision_where=last.get("where"),

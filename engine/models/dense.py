@@ -55,6 +55,14 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
     attend(q, k, v) -> out [heads, n, head_dim], when given, replaces write, read and attention (a batched
     step: the projections run once over every sequence's tokens, attention per sequence).
     """
+    q, k, v = attention_qkv(cfg, w, x, cos, sin)
+    return attention_out(cfg, w, x, q, k, v, kv_write, kv_read, mask, attend)
+
+
+def attention_qkv(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention block up to its cache: the norm, the projections, the q/k norms and RoPE. Returns q
+    [heads, n, d] and k, v [kv_heads, n, d] (q and k rotated)."""
     n, d, nh = x.shape[0], cfg.head_dim, cfg.num_heads
     h = rms_norm(x, w["attn_norm.weight"], cfg.rms_norm_eps)
     if "qkv.weight" in w and (not cfg.attention_bias or "qkv.bias" in w):
@@ -65,18 +73,16 @@ def attention_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tenso
         if cfg.qk_norm:
             qk = _qk_normed(cfg, w, qk)
         qk = apply_rotary(qk.transpose(0, 1), cos, sin)
-        return _attention_out(cfg, w, x, qk[:nh], qk[nh:], v, kv_write, kv_read, mask, attend)
-    else:
-        q = linear(h, w["q.weight"], w.get("q.bias"))
-        k = linear(h, w["k.weight"], w.get("k.bias"))
-        v = linear(h, w["v.weight"], w.get("v.bias")).reshape(n, cfg.num_kv_heads, d).transpose(0, 1)
+        return qk[:nh], qk[nh:], v
+    q = linear(h, w["q.weight"], w.get("q.bias"))
+    k = linear(h, w["k.weight"], w.get("k.bias"))
+    v = linear(h, w["v.weight"], w.get("v.bias")).reshape(n, cfg.num_kv_heads, d).transpose(0, 1)
     q = q.reshape(n, nh, d).transpose(0, 1)
     k = k.reshape(n, cfg.num_kv_heads, d).transpose(0, 1)
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm.weight"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm.weight"], cfg.rms_norm_eps)
-    return _attention_out(cfg, w, x, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, kv_write, kv_read,
-                          mask, attend)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
 
 def _qk_normed(cfg: ModelConfig, w, qk: torch.Tensor) -> torch.Tensor:
@@ -97,7 +103,7 @@ def _qk_normed(cfg: ModelConfig, w, qk: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _attention_out(cfg: ModelConfig, w, x, q, k, v, kv_write, kv_read, mask, attend) -> torch.Tensor:
+def attention_out(cfg: ModelConfig, w, x, q, k, v, kv_write, kv_read, mask, attend) -> torch.Tensor:
     """Attention of the rotated q [heads, n, d] over the cache with this step's k and v, then the output
     projection and the residual."""
     n = x.shape[0]

@@ -103,6 +103,11 @@ class Executor:
         self.order = list(groups)                   # embed, layers.0.attn, layers.0.ffn, ..., head
         self.kv = PagedKVCache(cfg, dtype, accel, fp8=kv_fp8)
         self.rope = RotaryTable(cfg)
+        from engine.sharding import graphs
+
+        # one-token GPU work replayed from CUDA graphs (see graphs.py); None off CUDA or when turned off
+        self.graphs = (graphs.OneTokenGraphs(accel)
+                       if accel is not None and accel.kind == "cuda" and graphs.enabled() else None)
         self.plan: Plan | None = None
         self.scratch_booked = 0
         self.slot_content: list[str | None] = []
@@ -149,6 +154,8 @@ class Executor:
             self.plan = plan
             return
         accel, store = self.accel, self.store
+        if self.graphs is not None:       # (weights move; and their booking must not stand in the plan's way)
+            self.graphs.clear()
         streamed = plan.streamed()
         slot_bytes = max((store.nbytes(n) for n in streamed), default=0)
         n_slots = min(plan.n_slots, len(streamed)) if streamed else 0
@@ -191,6 +198,8 @@ class Executor:
         self.slot_valid, self._pending = [], []
 
     def release_to_driver(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()
         if self.accel is not None:
             self.accel.release_to_driver()
 
@@ -405,7 +414,10 @@ class Executor:
                 layer = int(name.split(".")[1])
                 x = self._attention(layer, w, x, segs, decode, cos_sin[dev], dev)
             elif name not in self.moe_steps:
-                x = dense.ffn_block(cfg, w, x)
+                if self.graphs is not None and self.graphs.applies(x):
+                    x = self.graphs.run("ffn", lambda w_, x_: dense.ffn_block(cfg, w_, x_), w, x).clone()
+                else:
+                    x = dense.ffn_block(cfg, w, x)
             elif self.moe_steps[name] is not None and not on_gpu:
                 x = self._cpu_groups(name, w, x, fused)
             else:
@@ -518,7 +530,13 @@ class Executor:
                                                               s.masks[dev], gqa)
             return out
 
-        return dense.attention_block(self.cfg, w, x, cos_sin[0], cos_sin[1], None, None, None, attend=attend)
+        cos, sin = cos_sin
+        if self.graphs is not None and self.graphs.applies(x):
+            cs = self.graphs.rope(cos, sin)
+            q, k, v = self.graphs.run("attn", lambda w_, x_: dense.attention_qkv(self.cfg, w_, x_, *cs), w, x)
+        else:
+            q, k, v = dense.attention_qkv(self.cfg, w, x, cos, sin)
+        return dense.attention_out(self.cfg, w, x, q, k, v, None, None, None, attend)
 
     def _decode_natively(self, layer: int, s: _Segment, q: torch.Tensor, out: torch.Tensor | None = None):
         """Segment `s`'s attention through the native kernel over a CPU pool where it is one decode token
@@ -558,6 +576,8 @@ class Executor:
         return x
 
     def close(self) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()
         if self.accel is not None:
             self._drain_slots()
             self.store.close()

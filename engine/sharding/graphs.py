@@ -1,0 +1,154 @@
+"""One-token GPU work of a decode step replayed from CUDA graphs.
+
+A decode step's GPU sub-layers are short: a one-token attention's norm, projections, q/k norms and RoPE
+are about 30 small kernels over weights already in VRAM, and the host takes 10-20 us to issue each. The
+H200 traces (session 8, the MoE shape at 4 GiB) show 0.5 ms of host time in them per attention, 24 per
+token, on the path of a step whose host is the bottleneck. A CUDA graph issues the same kernels in one
+launch; the same holds for a one-token FFN on the GPU.
+
+A graph is keyed by what it computes and the weights' addresses, shapes and strides: a streamed
+sub-layer's weights sit in a slot whose views have the same addresses for every layer the slot carries,
+so one graph per slot serves them all (and one per resident sub-layer). It reads whatever those
+addresses hold when it replays: the weights of the sub-layer being run. A graph is captured at the
+second sighting of its key (the first runs eagerly). RoPE's cos/sin live in two buffers that every
+graph reads, refreshed once per step. Graphs replay in order on the compute stream, and each result is
+used before its graph replays again, so they share one memory pool.
+
+Memory: the pool and the capture stream's cuBLAS workspace come out of `RESERVE`, which the engine keeps
+out of the plans' budget (`reserve_for`) and the graphs book when they first capture; where it cannot
+be booked (a budget below `MIN_ROOM`) everything runs eagerly. Every re-plan drops the graphs (weights
+move) and their booking. The replayed kernels are the eager ones, so the numbers are the same (tested on
+the GPU machine). `SLIPSTREAM_CUDA_GRAPHS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import OutOfBudgetError
+
+RESERVE = 64 << 20        # VRAM kept for the pool (a few MB) and the capture stream's cuBLAS workspace
+MIN_ROOM = 16 * RESERVE   # no graphs in smaller budgets: the reserve would cost more weights than it saves
+MAX_GRAPHS = 160          # per plan: one per resident sub-layer of a kind plus one per slot
+
+
+def enabled() -> bool:
+    return os.environ.get("SLIPSTREAM_CUDA_GRAPHS", "1").lower() not in ("0", "off", "false", "no")
+
+
+def reserve_for(room: int, accel) -> int:
+    """Bytes to keep out of the plans' budget for graphs when `room` is bookable on `accel`."""
+    if accel is None or accel.kind != "cuda" or not enabled() or room < MIN_ROOM:
+        return 0
+    return RESERVE
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    x: torch.Tensor       # static input
+    out: object           # static output (a tensor or a tuple of them)
+
+
+class OneTokenGraphs:
+    def __init__(self, accel):
+        self.accel = accel
+        self._graphs: dict[tuple, _Graph] = {}
+        self._seen: set[tuple] = set()
+        self._pool = None
+        self._stream = None
+        self._no_room = False
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rope_src: tuple | None = None
+        self.booked = 0
+        self.error: str | None = None
+        self.captures = 0
+        self.replays = 0
+
+    @staticmethod
+    def applies(x: torch.Tensor) -> bool:
+        return x.is_cuda and x.shape[0] == 1
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos/sin buffers the graphs read, holding `cos`/`sin` (copied in once per new pair)."""
+        if self._rope is None or self._rope[0].shape != cos.shape or self._rope[0].dtype != cos.dtype:
+            if self._rope is not None:           # graphs read the old buffers: capture again
+                self._graphs.clear()
+                self._seen.clear()
+            self._rope = (cos.clone(), sin.clone())
+        elif self._rope_src is None or self._rope_src[0] is not cos or self._rope_src[1] is not sin:
+            self._rope[0].copy_(cos)
+            self._rope[1].copy_(sin)
+        self._rope_src = (cos, sin)          # (held, so a new step's tensors can never share their identity)
+        return self._rope
+
+    def run(self, kind: str, fn: Callable, w: dict[str, torch.Tensor], x: torch.Tensor):
+        """`fn(w, x)` for a one-token `x` on the GPU (its other inputs: `rope`'s buffers), from a graph.
+        The result's tensors are the graph's own: use them before the same kind of sub-layer runs again."""
+        key = (kind, x.dtype, x.shape,
+               tuple((n, t.data_ptr(), t.shape, t.stride(), t.dtype) for n, t in sorted(w.items())))
+        g = self._graphs.get(key)
+        if g is None:
+            if key not in self._seen or len(self._graphs) >= MAX_GRAPHS or self._no_room:
+                self._seen.add(key)
+                return fn(w, x)
+            g = self._capture(fn, w, x, key)
+            if g is None:
+                return fn(w, x)
+        g.x.copy_(x)
+        g.graph.replay()
+        self.replays += 1
+        return g.out
+
+    def _capture(self, fn, w, x, key) -> _Graph | None:
+        """Capture on a side stream (after a warm-up run there, which gives that stream its cuBLAS
+        workspace), without `torch.cuda.graph`'s device sync, garbage collection and cache release: a
+        re-plan while a game loads brings new keys, and their captures must cost what a step does."""
+        if self._pool is None:
+            try:
+                self.accel.book(RESERVE, "scratch", "CUDA graphs of one-token decode work")
+            except OutOfBudgetError:            # the engine kept no reserve (a small budget): eagerly
+                self._no_room = True
+                return None
+            self.booked = RESERVE
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(device=x.device)
+        cur = torch.cuda.current_stream(x.device)
+        xin = x.clone()
+        self._stream.wait_stream(cur)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.stream(self._stream):
+                fn(w, xin)
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    out = fn(w, xin)
+                finally:
+                    graph.capture_end()
+        except (torch.OutOfMemoryError, RuntimeError) as exc:   # the allocator's cap, or a capture the
+            cur.wait_stream(self._stream)                        # driver refused: this plan runs eagerly
+            self._no_room, self.error = True, f"{type(exc).__name__}: {exc}"[:300]
+            return None
+        cur.wait_stream(self._stream)
+        g = self._graphs[key] = _Graph(graph, xin, out)
+        self.captures += 1
+        return g
+
+    def clear(self) -> None:
+        """Drop every graph and its pool's booking (a plan change, a budget drop, close)."""
+        self._graphs.clear()
+        self._seen.clear()
+        self._pool = None
+        self._no_room = False
+        self._rope, self._rope_src = None, None
+        if self.booked:
+            self.accel.unbook(self.booked, "scratch")
+            self.booked = 0
+
+    def stats(self) -> dict:
+        return {"cuda_graphs": len(self._graphs), "cuda_graph_captures": self.captures,
+                "cuda_graph_replays": self.replays, "cuda_graph_booked": self.booked, "cuda_graph_error": self.error}

@@ -1,0 +1,161 @@
+"""One-token decode work replayed from CUDA graphs (attention up to its cache, FFNs) gives the eager path's
+numbers bit for bit, follows the contents of a slot's buffers and RoPE's buffers, stays out of the plans'
+budget, and steps aside where its reserve cannot be booked. The CUDA tests run on the GPU machine; the
+accounting ones run everywhere."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import engine
+from engine.config import ModelConfig
+from engine.errors import OutOfBudgetError
+from engine.models import dense
+from engine.sharding import graphs
+from engine.sharding.plan import Placement, Plan, PlanSet
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class Books:
+    def __init__(self, room: int):
+        self.room, self.used = room, 0
+
+    def book(self, n, tag, what=""):
+        if self.used + n > self.room:
+            raise OutOfBudgetError(f"{what}: over")
+        self.used += n
+
+    def unbook(self, n, tag):
+        self.used -= n
+
+
+def test_no_graphs_off_cuda(tiny_model):
+    eng = engine.open_model(tiny_model("llama"), device="sim", backend="torch")
+    try:
+        assert eng.executor.graphs is None
+        assert graphs.reserve_for(1 << 40, eng.executor.accel) == 0
+    finally:
+        eng.close()
+    assert not graphs.OneTokenGraphs.applies(torch.zeros(1, 4))
+
+
+def test_the_reserve_is_kept_from_budgets_that_can_spare_it(monkeypatch):
+    gpu = SimpleNamespace(kind="cuda")
+    assert graphs.reserve_for(graphs.MIN_ROOM, gpu) == graphs.RESERVE
+    assert graphs.reserve_for(graphs.MIN_ROOM - 1, gpu) == 0          # a small budget keeps its weights
+    assert graphs.reserve_for(1 << 40, None) == 0
+    monkeypatch.setenv("SLIPSTREAM_CUDA_GRAPHS", "0")
+    assert graphs.reserve_for(1 << 40, gpu) == 0
+
+
+def _cfg(qk_norm=False, **kw):
+    return ModelConfig(arch="qwen3" if qk_norm else "llama", vocab_size=64, hidden_size=512,
+                       intermediate_size=1536, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=64,
+                       qk_norm=qk_norm, dtype="bfloat16", **kw)
+
+
+def _attn_weights(cfg, gen, dev):
+    h, d = cfg.hidden_size, cfg.head_dim
+    rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+    w = {"attn_norm.weight": 1 + 0.1 * torch.randn(h, generator=gen), "qkv.weight": torch.randn(rows, h, generator=gen) / 16,
+         "o.weight": torch.randn(h, cfg.num_heads * d, generator=gen) / 16}
+    if cfg.qk_norm:
+        w.update({"q_norm.weight": 1 + 0.1 * torch.randn(d, generator=gen), "k_norm.weight": 1 + 0.1 * torch.randn(d, generator=gen)})
+    return {n: t.to(dev, torch.bfloat16) for n, t in w.items()}
+
+
+def _ffn_weights(cfg, gen, dev):
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    return {"ffn_norm.weight": torch.randn(h, generator=gen).to(dev, torch.bfloat16),
+            "gate_up.weight": (torch.randn(2 * i, h, generator=gen) / 16).to(dev, torch.bfloat16),
+            "down.weight": (torch.randn(h, i, generator=gen) / 16).to(dev, torch.bfloat16)}
+
+
+@cuda
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_replays_match_eager_and_follow_the_slot_and_rope(qk_norm):
+    cfg, dev = _cfg(qk_norm), torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    slot_a, slot_f = _attn_weights(cfg, gen, dev), _ffn_weights(cfg, gen, dev)   # refilled per "layer"
+    books = Books(1 << 30)
+    g = graphs.OneTokenGraphs(books)
+    for layer in range(6):
+        fresh_a, fresh_f = _attn_weights(cfg, gen, dev), _ffn_weights(cfg, gen, dev)
+        for slot, fresh in ((slot_a, fresh_a), (slot_f, fresh_f)):
+            for n, t in fresh.items():
+                slot[n].copy_(t)
+        x = torch.randn(1, cfg.hidden_size, generator=gen).to(dev, torch.bfloat16)
+        ang = torch.rand(1, cfg.head_dim // 2, generator=gen) * (layer + 1)
+        cos, sin = (torch.cat([f(ang)] * 2, -1).to(dev, torch.bfloat16) for f in (torch.cos, torch.sin))
+        cs = g.rope(cos, sin)
+        got = g.run("attn", lambda w_, x_: dense.attention_qkv(cfg, w_, x_, *cs), slot_a, x)
+        want = dense.attention_qkv(cfg, fresh_a, x, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), layer
+        got_f = g.run("ffn", lambda w_, x_: dense.ffn_block(cfg, w_, x_), slot_f, x).clone()
+        assert torch.equal(got_f, dense.ffn_block(cfg, fresh_f, x)), layer
+    assert g.captures == 2 and g.replays == 2 * 5          # captured at the second sighting, then replayed
+    assert books.used == graphs.RESERVE
+    g.clear()
+    assert books.used == 0 and g.stats()["cuda_graphs"] == 0
+
+
+@cuda
+def test_no_room_for_the_reserve_runs_eagerly():
+    cfg = _cfg()
+    gen = torch.Generator().manual_seed(1)
+    w = _ffn_weights(cfg, gen, "cuda")
+    g = graphs.OneTokenGraphs(Books(graphs.RESERVE - 1))
+    x = torch.randn(1, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    for _ in range(3):
+        assert torch.equal(g.run("ffn", lambda w_, x_: dense.ffn_block(cfg, w_, x_), w, x),
+                           dense.ffn_block(cfg, w, x))
+    assert g.captures == 0 and g.replays == 0
+
+
+@cuda
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen3_moe"])
+def test_generation_with_graphs_matches_without(tiny_model, monkeypatch, seed, arch):
+    from engine.backends.torch_engine import TorchEngine
+
+    def all_cpu(self, budget, kv_tokens=None):          # opened on the CPU; the test forces its plan
+        return PlanSet(budget, [Plan(t, "manual", {s.name: Placement.CPU for s in self.spec.sublayers}, 0)
+                                for t in self.tiers])
+
+    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu)
+    path = tiny_model(arch)
+    tokens, replays = {}, {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("SLIPSTREAM_CUDA_GRAPHS", flag)
+        eng = engine.open_model(path, device="cuda", backend="torch", vram_budget="3GiB", speculative=False)
+        rng = random.Random(seed)
+        names = [s.name for s in eng.spec.sublayers]
+        placement = {n: (rng.choice([Placement.RESIDENT, Placement.STREAMED]) if n.endswith((".ffn", ".attn"))
+                         else rng.choice(list(Placement))) for n in names}
+        planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), 2) for t in eng.tiers])
+        eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
+        eng.set_vram_budget(eng.budget)
+        tokens[flag] = [e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=24)]
+        g = eng.executor.graphs
+        replays[flag] = None if g is None else g.replays
+        eng.close()
+    assert tokens["1"] == tokens["0"]
+    assert replays["1"] > 0 and replays["0"] is None
+
+
+@cuda
+def test_an_engine_keeps_the_reserve_out_of_its_plans(tiny_model):
+    eng = engine.open_model(tiny_model("llama3"), device="cuda", backend="torch", vram_budget="3GiB",
+                            speculative=False)
+    try:
+        room = eng.executor.accel.budget
+        assert eng.planset.budget == room - graphs.RESERVE
+        list(eng.generate("the quick brown fox", max_new_tokens=8))
+        assert eng.executor.accel.total_used <= room
+    finally:
+        eng.close()
