@@ -93,7 +93,7 @@ def test_replays_match_eager_and_follow_the_slot_and_rope(qk_norm):
         ang = torch.rand(1, cfg.head_dim // 2, generator=gen) * (layer + 1)
         cos, sin = (torch.cat([f(ang)] * 2, -1).to(dev, torch.bfloat16) for f in (torch.cos, torch.sin))
         cs = g.rope(cos, sin)
-        got = g.run("attn", lambda w_, x_: dense.attention_qkv(cfg, w_, x_, *cs), slot_a, x)
+        got = g.run("attn", lambda w_, x_, cs=cs: dense.attention_qkv(cfg, w_, x_, *cs), slot_a, x)
         want = dense.attention_qkv(cfg, fresh_a, x, cos, sin)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), layer
         got_f = g.run("ffn", lambda w_, x_: dense.ffn_block(cfg, w_, x_), slot_f, x).clone()
