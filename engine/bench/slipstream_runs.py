@@ -189,6 +189,7 @@ def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int
                        "decode_copied_bytes_per_token": m.get("decode_copied_bytes_per_token"),
                        "decode_tps_runs": m.get("decode_tps_runs"),
                        "prefill_prefix_hit_tokens": m.get("prefill_prefix_hit_tokens"),
+                       "cuda_graphs": {k: v for k, v in eng.stats().items() if k.startswith("cuda_graph")},
                        "decode_batch_note": f"{BATCH_NEW_TOKENS} new tokens per stream after a {DECODE_PROMPT}-token "
                                             "prompt, all submitted at once: aggregate tokens/s over the wall time "
                                             "(prefill included)",

@@ -16,8 +16,10 @@ used before its graph replays again, so they share one memory pool.
 
 Memory: the pool and the capture stream's cuBLAS workspace come out of `RESERVE`, which the engine keeps
 out of the plans' budget (`reserve_for`) and the graphs book when they first capture; where it cannot
-be booked (a budget below `MIN_ROOM`) everything runs eagerly. Every re-plan drops the graphs (weights
-move) and their booking. The replayed kernels are the eager ones, so the numbers are the same (tested on
+be booked (a budget below `MIN_ROOM`), or the allocator grows past it, everything runs eagerly. Every
+re-plan drops the graphs (weights move), gives their memory back to the driver (the suite's first run
+with graphs met an out-of-memory when a larger budget's weights came in beside the last plan's pool
+and capture workspace) and unbooks it. The replayed kernels are the eager ones, so the numbers are the same (tested on
 the GPU machine). `SLIPSTREAM_CUDA_GRAPHS=0` turns them off.
 """
 
@@ -66,6 +68,8 @@ class OneTokenGraphs:
         self._rope_src: tuple | None = None
         self.booked = 0
         self.error: str | None = None
+        self._base = 0
+        self.peak_bytes = 0       # the most the allocator reserved for graphs beyond the step's own memory
         self.captures = 0
         self.replays = 0
 
@@ -107,7 +111,10 @@ class OneTokenGraphs:
     def _capture(self, fn, w, x, key) -> _Graph | None:
         """Capture on a side stream (after a warm-up run there, which gives that stream its cuBLAS
         workspace), without `torch.cuda.graph`'s device sync, garbage collection and cache release: a
-        re-plan while a game loads brings new keys, and their captures must cost what a step does."""
+        re-plan while a game loads brings new keys, and their captures must cost what a step does. What
+        the allocator reserves beyond the step's own memory from the first capture on (the workspace, the
+        pool) must stay within `RESERVE`, else this plan runs eagerly."""
+        dev = x.device
         if self._pool is None:
             try:
                 self.accel.book(RESERVE, "scratch", "CUDA graphs of one-token decode work")
@@ -115,9 +122,10 @@ class OneTokenGraphs:
                 self._no_room = True
                 return None
             self.booked = RESERVE
+            self._base = torch.cuda.memory_reserved(dev)
             self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(device=x.device)
-        cur = torch.cuda.current_stream(x.device)
+            self._stream = torch.cuda.Stream(device=dev)
+        cur = torch.cuda.current_stream(dev)
         xin = x.clone()
         self._stream.wait_stream(cur)
         graph = torch.cuda.CUDAGraph()
@@ -131,24 +139,45 @@ class OneTokenGraphs:
                     graph.capture_end()
         except (torch.OutOfMemoryError, RuntimeError) as exc:   # the allocator's cap, or a capture the
             cur.wait_stream(self._stream)                        # driver refused: this plan runs eagerly
-            self._no_room, self.error = True, f"{type(exc).__name__}: {exc}"[:300]
+            self._give_up(f"{type(exc).__name__}: {exc}"[:300])
             return None
         cur.wait_stream(self._stream)
-        g = self._graphs[key] = _Graph(graph, xin, out)
         self.captures += 1
+        grown = torch.cuda.memory_reserved(dev) - self._base
+        self.peak_bytes = max(self.peak_bytes, grown)
+        if grown > RESERVE:
+            del graph, out
+            self._give_up(f"graphs reserved {grown >> 20} MiB, over their {RESERVE >> 20} MiB")
+            return None
+        g = self._graphs[key] = _Graph(graph, xin, out)
         return g
 
+    def _give_up(self, why: str) -> None:
+        """Run eagerly until the next plan, with the graphs' memory back to the driver."""
+        self.error = why
+        self.clear()
+        self._no_room = True
+
     def clear(self) -> None:
-        """Drop every graph and its pool's booking (a plan change, a budget drop, close)."""
+        """Drop every graph and give their memory back (the pool's segments, the capture stream's cuBLAS
+        workspace) and its booking: a plan change, a budget drop, close."""
+        had_pool = self._pool is not None
         self._graphs.clear()
         self._seen.clear()
-        self._pool = None
+        self._pool, self._stream = None, None
         self._no_room = False
         self._rope, self._rope_src = None, None
+        if had_pool:
+            torch.cuda.synchronize()
+            clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+            if clear_workspaces is not None:
+                clear_workspaces()
+            torch.cuda.empty_cache()
         if self.booked:
             self.accel.unbook(self.booked, "scratch")
             self.booked = 0
 
     def stats(self) -> dict:
         return {"cuda_graphs": len(self._graphs), "cuda_graph_captures": self.captures,
-                "cuda_graph_replays": self.replays, "cuda_graph_booked": self.booked, "cuda_graph_error": self.error}
+                "cuda_graph_replays": self.replays, "cuda_graph_booked": self.booked, "cuda_graph_error": self.error,
+                "cuda_graph_peak_bytes": self.peak_bytes}

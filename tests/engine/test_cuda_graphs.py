@@ -159,3 +159,19 @@ def test_an_engine_keeps_the_reserve_out_of_its_plans(tiny_model):
         assert eng.executor.accel.total_used <= room
     finally:
         eng.close()
+
+
+@cuda
+def test_graphs_that_outgrow_their_reserve_give_it_back_and_run_eagerly(monkeypatch):
+    monkeypatch.setattr(graphs, "RESERVE", 1)
+    torch.cuda.empty_cache()
+    cfg = _cfg()
+    gen = torch.Generator().manual_seed(2)
+    w = _ffn_weights(cfg, gen, "cuda")
+    books = Books(1 << 30)
+    g = graphs.OneTokenGraphs(books)
+    x = torch.randn(1, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+    for _ in range(4):
+        assert torch.equal(g.run("ffn", lambda w_, x_: dense.ffn_block(cfg, w_, x_), w, x),
+                           dense.ffn_block(cfg, w, x))
+    assert g.replays == 0 and "over their" in g.stats()["cuda_graph_error"] and books.used == 0
