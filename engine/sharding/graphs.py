@@ -20,7 +20,12 @@ be booked (a budget below `MIN_ROOM`), or the allocator grows past it, everythin
 re-plan drops the graphs (weights move), gives their memory back to the driver (the suite's first run
 with graphs met an out-of-memory when a larger budget's weights came in beside the last plan's pool
 and capture workspace) and unbooks it. The replayed kernels are the eager ones, so the numbers are the same (tested on
-the GPU machine). `SLIPSTREAM_CUDA_GRAPHS=0` turns them off.
+the GPU machine).
+
+Off by default; `SLIPSTREAM_CUDA_GRAPHS=1` turns them on. On the H200 (session 8, call D) the MoE shape's
+decode at 4 GiB ran 7-16% faster with them (host time per GPU attention 0.36-0.52 ms against 0.63-0.75),
+Llama-3-8B's at 4 GiB no faster (its step waits on PCIe), and the generation tests gave the same tokens
+with and without; but that call's suite met the out-of-memory above, and the fix is still to be run there.
 """
 
 from __future__ import annotations
@@ -39,7 +44,9 @@ MAX_GRAPHS = 160          # per plan: one per resident sub-layer of a kind plus 
 
 
 def enabled() -> bool:
-    return os.environ.get("SLIPSTREAM_CUDA_GRAPHS", "1").lower() not in ("0", "off", "false", "no")
+    """Off unless SLIPSTREAM_CUDA_GRAPHS=1: the giving back at re-plans is not yet verified on the GPU
+    machine (see the module docstring)."""
+    return os.environ.get("SLIPSTREAM_CUDA_GRAPHS", "0").lower() in ("1", "on", "true", "yes")
 
 
 def reserve_for(room: int, accel) -> int:

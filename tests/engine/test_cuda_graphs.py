@@ -46,6 +46,8 @@ def test_no_graphs_off_cuda(tiny_model):
 
 def test_the_reserve_is_kept_from_budgets_that_can_spare_it(monkeypatch):
     gpu = SimpleNamespace(kind="cuda")
+    assert graphs.reserve_for(1 << 40, gpu) == 0                    # off by default
+    monkeypatch.setenv("SLIPSTREAM_CUDA_GRAPHS", "1")
     assert graphs.reserve_for(graphs.MIN_ROOM, gpu) == graphs.RESERVE
     assert graphs.reserve_for(graphs.MIN_ROOM - 1, gpu) == 0          # a small budget keeps its weights
     assert graphs.reserve_for(1 << 40, None) == 0
@@ -149,7 +151,8 @@ def test_generation_with_graphs_matches_without(tiny_model, monkeypatch, seed, a
 
 
 @cuda
-def test_an_engine_keeps_the_reserve_out_of_its_plans(tiny_model):
+def test_an_engine_keeps_the_reserve_out_of_its_plans(tiny_model, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_CUDA_GRAPHS", "1")
     eng = engine.open_model(tiny_model("llama3"), device="cuda", backend="torch", vram_budget="3GiB",
                             speculative=False)
     try:
