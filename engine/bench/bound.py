@@ -7,8 +7,10 @@ From PIPELINED_SHARDING.md, with the profile's measured rates:
   only the routed experts (k / E of them) besides attention, router and head; the budget keeps what
   every token reads first (attention, head, router), then experts.
 - prefill of T tokens in one pass: every byte not in VRAM either crosses PCIe once (and its FLOPs run on
-  the GPU) or is computed on the CPU (at the CPU's best matmul rate, 2 T FLOPs per weight), both at
-  once: t = max(off / (BW_pcie + CPU FLOP/s x dtype bytes / 2T), FLOPs / GPU FLOP/s); tokens/s = T / t.
+  the GPU) or is computed on the CPU (at the CPU's best matmul rate, 2 T FLOPs per weight; a MoE expert's
+  weight 2 T k / E), both at once: for a dense model t = max(off / (BW_pcie + CPU FLOP/s x dtype bytes /
+  2T), FLOPs / GPU FLOP/s); tokens/s = T / t. (Before session 8 experts were priced as dense weights on
+  the CPU, which put the MoE shape's 512-token bound below llama.cpp's measured rate.)
 BW_cpu and BW_pcie are the rates measured *together* (`cpu_gemv_with_copy_gbps`, `h2d_with_cpu_gbps`);
 the bound with the rates measured alone is reported beside it.
 """
@@ -85,12 +87,30 @@ def decode_bound_tps(sb: ShapeBytes, budget: int, rates: Rates, ctx: int = 4096,
 
 
 def prefill_bound_tps(sb: ShapeBytes, budget: int, rates: Rates, tokens: int, alone: bool = False) -> float:
+    """Every byte off the GPU crosses PCIe once or is computed on the CPU, both at once. The budget keeps
+    the bytes every token reads first (on the CPU they cost 2T FLOPs each), then experts; the CPU takes
+    experts first, as a token uses only `active_fraction` of them (2T x that fraction FLOPs per weight:
+    a 512-token MoE pass computes 16x fewer expert FLOPs than a dense one of the same bytes)."""
     room = max(0, budget - sb.kv_per_token * tokens)
-    off = max(0, sb.total - room)
+    res_always = min(sb.always, room)
+    off_always = sb.always - res_always
+    off_experts = max(0, sb.experts - (room - res_always))
     pcie = (rates.pcie_alone_gbps if alone else rates.pcie_gbps) * 1e9
-    cpu_bytes_per_s = rates.cpu_tflops * 1e12 * 2 / (2 * tokens)      # 16-bit weights, 2T FLOPs each
+    cpu_always = rates.cpu_tflops * 1e12 * 2 / (2 * tokens)            # bytes/s: 16-bit weights, 2T FLOPs each
+    cpu_experts = cpu_always / sb.active_fraction if sb.experts else 0.0
+
+    def off_in(t: float) -> bool:             # can PCIe and the CPU together take every off byte in t s?
+        on_cpu_e = min(off_experts, cpu_experts * t)
+        t_left = t - (on_cpu_e / cpu_experts if cpu_experts else 0.0)
+        on_cpu_a = min(off_always, cpu_always * t_left)
+        return off_experts - on_cpu_e + off_always - on_cpu_a <= pcie * t * (1 + 1e-12)
+
+    lo, hi = 0.0, (off_always + off_experts) / pcie if pcie else float("inf")
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if off_in(mid) else (mid, hi)
     flops = sb.flops_per_token * tokens + sb.attn_flops_per_token_ctx * tokens * tokens / 2
-    t = max(off / (pcie + cpu_bytes_per_s), flops / (rates.gpu_tflops * 1e12))
+    t = max(hi, flops / (rates.gpu_tflops * 1e12))
     return tokens / t
 
 

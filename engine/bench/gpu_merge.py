@@ -261,8 +261,9 @@ NOTES = [
     "continuous-batching scheduler, 4 or 16 requests submitted at once, 16 new tokens each after a 64-token "
     "prompt, aggregate tokens/s over the wall time (prefill included)."),
     ("bound: not a run; the physical bound from the measured profile (see engine/bench/bound.py), with the "
-    "CPU and PCIe rates measured together. A prefill that streams over PCIe while the CPU idles may pass it "
-    "(the MoE shape's): results.json also gives the bound at the rates measured alone (*_rates_alone)."),
+    "CPU and PCIe rates measured together (a run whose CPU idles while PCIe copies may pass it: results.json "
+    "also gives the bound at the rates measured alone, *_rates_alone); a MoE prefill's CPU computes an expert "
+    "weight for the k/E of the tokens routed to it."),
     ("Co-run: the card is capped (BudgetPolicy total_cap for Slipstream's monitor; the stand-in's own "
     "accounting against NVML's device total for its simulated out-of-memory) to stand for a client GPU."),
 ]

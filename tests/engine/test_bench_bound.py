@@ -56,3 +56,19 @@ def test_real_shapes_and_rows():
     assert row["prefill4096_tps"] > row["prefill512_tps"] > 0
     b2 = bound_row("qwen3-30b-a3b", gguf_shape("qwen3-30b-a3b", 24), "2GiB", 2 << 30, RATES)["decode_tps"]
     assert 50 < b2 < 80                                     # the anchors' ~60 tokens/s estimate
+
+
+def test_prefill_bound_of_moe_computes_experts_on_the_cpu_at_their_active_share():
+    """A token uses k/E of the experts, so the CPU computes an expert byte 1/fraction times cheaper than a
+    dense one: the CPU's share of a MoE prefill grows, the more so the shorter the prompt."""
+    with_cpu = Rates(**{**RATES.__dict__, "cpu_tflops": 4.0})
+    moe = ShapeBytes(always=2 * GB, experts=28 * GB, active_fraction=0.0625, kv_per_token=0,
+                     flops_per_token=0, attn_flops_per_token_ctx=0)
+    dense_same = _dense(30 * GB)
+    # 4 GB budget: always-read bytes resident, 26 GB of experts off; CPU 4e12 / (512 x 0.0625) = 125 GB/s
+    assert prefill_bound_tps(moe, int(4 * GB), with_cpu, 512) == pytest.approx(512 / (26 * GB / (50e9 + 125e9)))
+    assert prefill_bound_tps(dense_same, int(4 * GB), with_cpu, 512) == pytest.approx(
+        512 / (26 * GB / (50e9 + 4e12 / 512)))
+    # no CPU rate: the same PCIe bound as a dense shape of the same bytes
+    assert prefill_bound_tps(moe, int(4 * GB), RATES, 4096) == pytest.approx(
+        prefill_bound_tps(dense_same, int(4 * GB), RATES, 4096))

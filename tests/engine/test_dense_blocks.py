@@ -1,5 +1,7 @@
 """The attention block's fused path (one qkv matmul, the q/k norms and RoPE over the query and key heads at
-once) computes bit for bit what the separate q/k/v path computes (norms and RoPE per projection)."""
+once) computes what the separate q/k/v path computes (norms and RoPE per projection): bit for bit in 16-bit
+(the native kernel's rows do not depend on the matrix's height), within float32 rounding in float32 (the
+BLAS may block a taller matrix differently: the H200 host's did, session 8)."""
 
 import pytest
 import torch
@@ -42,5 +44,9 @@ def test_fused_qkv_path_matches_separate_projections(dtype, n, qk_norm):
 
         results.append((dense.attention_block(cfg, w, x, cos, sin, None, None, None, attend=attend), seen))
     (out_sep, s), (out_fused, f) = results
-    assert all(torch.equal(s[t], f[t]) for t in "qkv")
-    assert torch.equal(out_sep, out_fused)
+    if dtype == torch.float32:
+        assert all(torch.allclose(s[t], f[t], rtol=1e-5, atol=1e-6) for t in "qkv")
+        assert torch.allclose(out_sep, out_fused, rtol=1e-5, atol=1e-6)
+    else:
+        assert all(torch.equal(s[t], f[t]) for t in "qkv")
+        assert torch.equal(out_sep, out_fused)
