@@ -132,3 +132,19 @@ def test_engine_parts_run_one_shape_per_process():
         "--part", "slipstream", "--models", "qwen3-30b-a3b", "--out", "x"]
     assert child_argv(["--part=slipstream,corun", "--models=a,b", "--dry-run"], "corun") == [
         "--part", "corun", "--models=a,b", "--dry-run"]
+
+
+def test_targets_beyond_the_bound_are_named():
+    from engine.bench.gpu_merge import beyond_bound
+
+    def row(metric, against, peer, target):
+        return {"model": "m", "budget": "4GiB", "metric": metric, "against": against, "peer": peer,
+                "target": target}
+
+    rs = [row("decode", "best llama.cpp", 7.0, 1.5), row("decode", "bound", 11.0, 0.75),
+          row("prefill 512", "llama.cpp-default", 300.0, 10.0), row("prefill 512", "bound", 2500.0, None),
+          row("prefill 4096", "llama.cpp-default", 300.0, 10.0), row("prefill 4096", "bound", 16000.0, None)]
+    text = beyond_bound(rs)
+    assert "decode is 10.50 tokens/s, the bound 11.00" in text and "prefill 512 is 3000" in text
+    assert "prefill 4096" not in text
+    assert beyond_bound(rs[4:]) == ""
