@@ -38,10 +38,22 @@ from engine.sharding.spec import DTYPE_BYTES, ModelSpec, SubLayerSpec, routed_st
 
 __all__ = ["CPU", "HKV", "RES", "STR", "Estimator", "StepCosts", "step_costs"]
 CODE = {Placement.CPU: CPU, Placement.RESIDENT: RES, Placement.STREAMED: STR}
-OPS = {"embed": 1, "attn": 20, "ffn": 12, "head": 9, "router": 9, "experts": 1}   # kernels per sub-layer
-# (attention, FFN and head: the kernel launches one decode step issues, counted in H200 traces by
-# engine.bench.trace_breakdown, session 5: 25 per attention, 5 fewer since RoPE runs over q and k at once;
-# the host pays each on either side)
+# Host work of one sub-layer in a one-token step, by side: PyTorch ops (each costs the profile's op overhead
+# on that side: on the CPU its dispatch, on the GPU its launch, which the host pays while earlier kernels
+# run) and, on the CPU, native kernel calls (each wakes the matmul pool: the profile's `native_call_us`).
+# Session 8 measured each kind's host time in decode on the H200 (`engine.bench.host_costs`) and these
+# counts price it: a CPU attention of SmolLM2-135M 0.307 ms (36 ops, counted by the profiler over the sim
+# device's decode, and 4 native calls at 4.2 and 33 us: 0.29, arithmetic 0.02), a CPU FFN 0.190 (11 and 3:
+# 0.14, arithmetic 0.06), a GPU attention 0.386 (30 op-equivalents at 12.8 us: its 49 PyTorch ops include
+# a dozen views that cost a few us each), a GPU FFN 0.194 (14: 0.18); the MoE router (26 ops on the GPU
+# and 21 on the CPU, H200 trace) and the q/k norms (12 more GPU ops; one native call on the CPU) as
+# traced. A MoE attention after CPU experts took 0.63-0.98 ms (42 here: 0.54; the crossing's copy and
+# the cold caches count apart).
+OPS = {"cpu": {"embed": 2, "attn": 36, "ffn": 11, "head": 7, "router": 21, "experts": 1},
+       "gpu": {"embed": 2, "attn": 30, "ffn": 14, "head": 13, "router": 26, "experts": 1}}
+QK_NORM_OPS = {"cpu": 0, "gpu": 12}      # q/k norms: one native call on the CPU, a dozen ops on the GPU
+NATIVE_CALLS = {"embed": 0, "attn": 4, "ffn": 3, "head": 2, "router": 2, "experts": 0}
+NATIVE_CALLS_EXPERTS_PER_LAYER = 3      # a layer's CPU expert groups run together: gate/up, down, sum
 OPS_PER_EXPERT = 7     # kernels per touched expert (gather, gate/up, silu, mul, down, scale, index_add)
 OPS_PER_EXPERT_SINGLE = 5   # in a one-token step (gate/up, silu, mul, down, multiply-add)
 
@@ -78,7 +90,7 @@ def dtype_name(spec: ModelSpec) -> str:
 def attention_parts_ms(prof: ProfileDatabase, side: str, dt: str, sub: SubLayerSpec, n: int,
                        ctx: int) -> tuple[float, float]:
     """(projections, attention over `ctx` context tokens) milliseconds of attention sub-layer `sub` in a
-    step of `n` tokens on `side`, before op overhead (`OPS["attn"]` ops). The profile's CPU attention
+    step of `n` tokens on `side`, before op overhead (`OPS[side]["attn"]` ops). The profile's CPU attention
     block factor (`measure.attn_block_factors`) is calibrated against this."""
     return (prof.gemm_ms(side, dt, "attn", sub.flops_per_token, n),
             prof.attention_ms(side, dt, ctx * sub.kv_bytes_per_token, n * ctx * sub.attn_flops_per_token_ctx))
@@ -108,10 +120,15 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
             else:
                 t = prof.gemm_ms(side, dt, "head", sub.flops_per_token, rows)
             # The CPU pays each op's dispatch in turn; a GPU runs kernels while the host issues more.
-            n_ops = OPS[sub.kind]
+            n_ops = OPS[side][sub.kind] + (QK_NORM_OPS[side] if sub.kind == "attn" and cfg.qk_norm else 0)
             if sub.kind == "experts":
                 n_ops += (OPS_PER_EXPERT if n > 1 else OPS_PER_EXPERT_SINGLE) * spec.expected_experts(sub, n)
             issue = prof.op_ms(side, n_ops)
+            if side == "cpu":
+                calls = NATIVE_CALLS[sub.kind] + (1 if sub.kind == "attn" and cfg.qk_norm else 0)
+                if sub.kind == "experts":
+                    calls = NATIVE_CALLS_EXPERTS_PER_LAYER / max(len(cfg.expert_groups()), 1)
+                issue += calls * prof.native_call_ms
             ms[side][i] = t + issue if side == "cpu" else max(t, issue)
     if not prof.has_gpu:   # any GPU placement costs infinity (crossings stay finite: 0 x inf is nan)
         ms["gpu"][:] = np.inf

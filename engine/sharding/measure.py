@@ -229,6 +229,24 @@ def op_overhead_us(device) -> float:
     return round(time_host(burst, 0.05) / 100 * 1e6, 3)
 
 
+def native_call_us() -> float:
+    """Host cost of one native CPU kernel call beyond its arithmetic, microseconds: a one-row matmul over
+    the smallest 16-bit matrix the native path takes (64k weights, about 10 ns of arithmetic per thread).
+    0 where the native kernel is not available."""
+    from engine import kernels
+
+    kernels.status(wait=True)
+    x, w = torch.randn(1, 256).to(torch.bfloat16), torch.randn(256, 256).to(torch.bfloat16)
+    if not kernels.usable(x, w) or kernels.linear(x, w) is None:
+        return 0.0
+
+    def burst(_i: int) -> None:
+        for _ in range(100):
+            kernels.linear(x, w)
+
+    return round(time_host(burst, 0.05) / 100 * 1e6, 3)
+
+
 def memory_gbps(device, nbytes: int) -> float:
     """Read+write bandwidth of a large copy within the device (or host memory)."""
     cuda = torch.device(device).type == "cuda"
@@ -388,7 +406,7 @@ def attn_block_factors(sizes: Sizes, sec: dict, ctx: int = ATTN_CTX) -> dict:
     attention sub-layer (`estimator.attention_parts_ms` plus its op overhead, from this section's rates)
     takes the measured time; clamped to [0.5, 3]. The extra over the GEMM-table prediction is PyTorch op
     overhead (the KV gather, attention, rope and norm ops) that the per-op charge does not cover."""
-    from engine.sharding.estimator import OPS, attention_parts_ms
+    from engine.sharding.estimator import NATIVE_CALLS, OPS, attention_parts_ms
     from engine.sharding.profile import ProfileDatabase
     from engine.sharding.spec import ModelSpec
 
@@ -401,7 +419,7 @@ def attn_block_factors(sizes: Sizes, sec: dict, ctx: int = ATTN_CTX) -> dict:
         x = torch.randn(n, sizes.hidden, dtype=_TORCH[dtype])
         ms = time_host(lambda i, x=x: run(i, x), sizes.min_time_s) * 1e3
         proj, attend = attention_parts_ms(raw, "cpu", dtype, sub, n, ctx + n)
-        rest = attend + raw.op_ms("cpu", OPS["attn"])
+        rest = attend + raw.op_ms("cpu", OPS["cpu"]["attn"]) + NATIVE_CALLS["attn"] * raw.native_call_ms
         factor[str(n)] = round(min(3.0, max(0.5, (ms - rest) / proj)), 4)
         measured[str(n)], predicted[str(n)] = round(ms, 4), round(proj + rest, 4)
     return {"factor": factor, "detail": {"ctx": ctx, "kv_heads": cfg.num_kv_heads, "measured_ms": measured,
@@ -458,6 +476,7 @@ def cpu_section(sizes: Sizes, progress: Progress | None, offset: float = 0.0, sh
     n_steps = len(sizes.dtypes) * (3 * len(sizes.tokens) + 1) + 3 + 7
     step = _Steps(n_steps, progress, offset, share)
     sec = device_section(sizes, "cpu", step)
+    sec["native_call_us"] = native_call_us()
     step("cpu FFN block as the engine runs it")
     sec["block_factor"] = ffn_block_factors(sizes, sec["gemm"], sec["op_overhead_us"])
     step("cpu attention block as the engine runs it")

@@ -211,6 +211,12 @@ class ProfileDatabase:
     def op_ms(self, where: str, n_ops: int) -> float:
         return n_ops * self._section(where)["op_overhead_us"] / 1e3
 
+    @property
+    def native_call_ms(self) -> float:
+        """Host milliseconds of one native CPU kernel call beyond its arithmetic (waking the matmul pool and
+        its barrier), from a call on a tiny matrix; 0 where the profile did not measure it."""
+        return float((self.cpu or {}).get("native_call_us") or 0.0) / 1e3
+
     def mem_ms(self, where: str, nbytes: float) -> float:
         return nbytes / (self._section(where)["mem_gbps"] * 1e6)
 

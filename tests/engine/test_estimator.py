@@ -138,7 +138,7 @@ def test_cpu_attention_is_priced_with_the_attention_block_factor(llama):
     """A profile with `attn_block_factor` scales the CPU attention sub-layers' projections by it (higher or
     lower), leaving every FFN, the head and the GPU side as they were; one without it scales them by the
     FFN block factor exactly as before."""
-    from engine.sharding.estimator import OPS, attention_parts_ms, step_costs
+    from engine.sharding.estimator import NATIVE_CALLS, OPS, attention_parts_ms, step_costs
 
     spec, _ = llama
     raw = ProfileDatabase(sim_profile_dict())
@@ -154,7 +154,7 @@ def test_cpu_attention_is_priced_with_the_attention_block_factor(llama):
     attn, other = kinds == "attn", kinds != "attn"
     sub = spec.sublayers[int(np.argmax(attn))]
     proj, over_ctx = attention_parts_ms(raw, "cpu", "bfloat16", sub, 1, 2048)
-    ops = raw.op_ms("cpu", OPS["attn"])
+    ops = raw.op_ms("cpu", OPS["cpu"]["attn"]) + NATIVE_CALLS["attn"] * raw.native_call_ms
     ffn_only = step_costs(spec, prof(), 1, 2048)
     assert ffn_only.cpu_ms[attn] == pytest.approx(1.5 * proj + over_ctx + ops)     # as before: the FFN factor
     for f in (2.0, 0.75):
@@ -166,3 +166,34 @@ def test_cpu_attention_is_priced_with_the_attention_block_factor(llama):
     # and a plan with CPU attention costs more under the larger factor
     cpu_attn = placement(spec, lambda s: C if s.kind == "attn" else R)
     assert Estimator(spec, prof(2.0)).estimate(cpu_attn, 1, 2048) > Estimator(spec, prof()).estimate(cpu_attn, 1, 2048)
+
+
+def test_native_calls_and_qk_norms_are_priced_on_their_side(llama):
+    """A profile's `native_call_us` adds each CPU sub-layer's native kernel calls (4 per attention, 3 per
+    FFN, 2 for the head) and nothing on the GPU; q/k norms add GPU ops to an attention."""
+    from engine.sharding.estimator import NATIVE_CALLS, OPS, QK_NORM_OPS, step_costs
+
+    spec, _ = llama
+    data = sim_profile_dict()
+    data["cpu"]["native_call_us"] = 50.0
+    base, called = step_costs(spec, ProfileDatabase(sim_profile_dict()), 1, 512), step_costs(spec, ProfileDatabase(data), 1, 512)
+    for i, s in enumerate(spec.sublayers):
+        assert called.cpu_ms[i] - base.cpu_ms[i] == pytest.approx(NATIVE_CALLS[s.kind] * 0.05)
+    assert (called.gpu_ms == base.gpu_ms).all()
+    qwen = ModelSpec.from_config(get_shape("qwen3-8b"))
+    assert qwen.config.qk_norm and not spec.config.qk_norm
+    prof = ProfileDatabase(sim_profile_dict())
+    c = step_costs(qwen, prof, 1, 512)
+    attn = next(i for i, s in enumerate(qwen.sublayers) if s.kind == "attn")
+    assert c.gpu_ms[attn] >= prof.op_ms("gpu", OPS["gpu"]["attn"] + QK_NORM_OPS["gpu"])
+
+
+def test_the_profiler_measures_a_native_call():
+    from engine import kernels
+    from engine.sharding.measure import native_call_us
+
+    us = native_call_us()
+    if kernels._load() is None:
+        assert us == 0.0
+    else:
+        assert 0.1 < us < 5000

@@ -1,8 +1,8 @@
 #!/bin/bash
-# Session 8, call E (short): the graphs' memory given back at every re-plan. CUDA graph tests, then the
+# Next call (written in session 8, not run): CUDA graphs on (SLIPSTREAM_CUDA_GRAPHS=1), their memory given back at every re-plan. CUDA graph tests, then the
 # suite's Llama-3-8B rows at 2 and 4 GiB (call D met an out-of-memory when 4 GiB's weights came in).
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site carry/*.whl 2>/dev/null
-export PYTHONUNBUFFERED=1 SLIPSTREAM_PROFILE_DB=/tmp/profile.json PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1 SLIPSTREAM_PROFILE_DB=/tmp/profile.json PYTHONPATH=/tmp/site:$PWD SLIPSTREAM_CUDA_GRAPHS=1
 cp docs/benchmarks/profiles/h200.json /tmp/profile.json
 W=/tmp/calle; mkdir -p $W
 T0=$(date +%s); D=$(( T0 + ${BUDGET_S:-150} ))
