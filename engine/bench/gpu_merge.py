@@ -262,7 +262,8 @@ def markdown(result: dict) -> str:
             f"{probe_lines(result.get('parts') or {})}"
             f"## Other GPU runs (issues 7 and 8; docs/benchmarks/README.md explains them)\n\n"
             f"{related_table(result.get('related') or [])}\n\n"
-            "Plots: `results_decode.png`, `results_prefill.png`, `corun_timeline.png`.\n")
+            "Plots: `results_decode.png`, `results_prefill.png`, `results_ttft.png` (time to first token), "
+            "`corun_timeline.png`.\n")
 
 
 NOTES = [

@@ -8,7 +8,10 @@ COLORS = {"slipstream": "#1f77b4", "llama.cpp-default": "#ff7f0e", "llama.cpp-tu
           "accelerate": "#2ca02c", "bound": "#7f7f7f"}
 
 
-def _bars(result: dict, key: str, title: str, path: Path, log: bool) -> None:
+def _lines(result: dict, series, ylabel: str, title: str, path: Path) -> None:
+    """Per model: one line per system over the budgets (the bound dashed), for each (key, label, style,
+    transform) of `series` (a transform turns a row's value into what is plotted, e.g. tokens/s into
+    seconds to the first token); log scale."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -18,32 +21,38 @@ def _bars(result: dict, key: str, title: str, path: Path, log: bool) -> None:
     models = list(dict.fromkeys(r["model"] for r in rows))
     if not models:
         return
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 5.6), squeeze=False)
     for ax, model in zip(axes[0], models):
         mr = [r for r in rows if r["model"] == model]
-        budgets = list(dict.fromkeys(r["budget"] for r in sorted(mr, key=lambda r: r.get("budget_bytes") or 0)))
+        budgets = sorted({r["budget_bytes"] for r in mr if r.get("budget_bytes")})
         systems = [s for s in COLORS if any(r["system"] == s for r in mr)]
-        width = 0.8 / max(1, len(systems))
-        for i, s in enumerate(systems):
-            vals = []
-            for b in budgets:
-                r = next((r for r in mr if r["system"] == s and r["budget"] == b), None)
-                vals.append(r.get(key) or 0 if r else 0)
-            xs = [j + (i - (len(systems) - 1) / 2) * width for j in range(len(budgets))]
-            hatch = "//" if s == "bound" else None
-            ax.bar(xs, vals, width, label=s, color=COLORS[s], hatch=hatch, alpha=0.6 if s == "bound" else 1)
-            for x, v in zip(xs, vals):
-                if v:
-                    ax.text(x, v, f"{v:.3g}", ha="center", va="bottom", fontsize=7)
-        ax.set_xticks(range(len(budgets)), budgets)
+        for key, label, style, f in series:
+            for s in systems:
+                pts = []
+                for b in budgets:
+                    r = next((r for r in mr if r["system"] == s and r.get("budget_bytes") == b), None)
+                    if r is not None and r.get(key) and (s == "bound" or r.get("fits") is not False):
+                        pts.append((b / 2 ** 30, f(r[key])))
+                if not pts:
+                    continue
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, style if s != "bound" else ":", color=COLORS[s], marker="o", ms=4,
+                        label=f"{s}{label}", alpha=0.7 if s == "bound" else 1)
+                for x, y in pts:
+                    ax.annotate(f"{y:.3g}", (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
+        ax.set_xticks([b / 2 ** 30 for b in budgets], [f"{b / 2 ** 30:g} GiB" for b in budgets])
+        ax.set_xlabel("VRAM budget (whole process for Slipstream)")
         ax.set_title(f"{model}: {title}")
-        ax.set_ylabel("tokens/s")
-        if log:
-            ax.set_yscale("log")
-        ax.legend(fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_yscale("log")
+        ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _same(v):
+    return v
 
 
 def _corun(result: dict, path: Path) -> None:
@@ -93,8 +102,16 @@ def _corun(result: dict, path: Path) -> None:
 
 
 def plot_all(result: dict, out: Path) -> list[Path]:
-    paths = [out / "results_decode.png", out / "results_prefill.png", out / "corun_timeline.png"]
-    _bars(result, "decode_tps", "decode tokens/s (1 sequence)", paths[0], log=True)
-    _bars(result, "prefill4096_tps", "prefill tokens/s (4096-token prompt)", paths[1], log=True)
-    _corun(result, paths[2])
+    """Tokens/s (decode, prefill of 4096 tokens) and time to the first token (prompts of 512 and 4096
+    tokens: tokens / prefill rate, which is how both sides measure it) against the budget, one line per
+    system; the co-run timelines. Rows that did not fit their budget are left out."""
+    paths = [out / "results_decode.png", out / "results_prefill.png", out / "results_ttft.png",
+             out / "corun_timeline.png"]
+    _lines(result, [("decode_tps", "", "-", _same)], "tokens/s", "decode tokens/s (1 sequence)", paths[0])
+    _lines(result, [("prefill4096_tps", "", "-", _same)], "tokens/s", "prefill tokens/s (4096-token prompt)",
+           paths[1])
+    _lines(result, [("prefill4096_tps", " (4096)", "-", lambda v: 4096 / v),
+                    ("prefill512_tps", " (512)", "--", lambda v: 512 / v)],
+           "seconds", "time to first token", paths[2])
+    _corun(result, paths[3])
     return [p for p in paths if p.exists()]

@@ -80,6 +80,7 @@ def test_merge_writes_results_with_bound_rows_sorted_and_a_table(tmp_path, monke
     assert "dynamic (decode) / gpu_only (tier 4096)" in md and "not available here" in md
     assert "| slipstream | auto | 60 / 58 | 30.0 / 4.0 | 0 (0.0) | 0.0 | 0 |" in md
     assert (res_dir / "results_decode.png").stat().st_size > 1000
+    assert (res_dir / "results_ttft.png").stat().st_size > 1000
     assert (res_dir / "corun_timeline.png").stat().st_size > 1000
     assert table([]).count("\n") == 1
     assert "- slipstream: 2026-11-29T19:50 CPU 81.5 GB/s, host->GPU 55.1 GB/s, steal 0.02" in md
