@@ -75,6 +75,7 @@ class Sampler:
 
 NUCLEUS_FIRST = 256     # candidates looked at first for top-p
 NUCLEUS_BINS = 1024     # log-probability bins that find a wider nucleus's edge
+NUCLEUS_OCTAVES = 64    # the range they cover below the 256th most likely token
 
 
 def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -93,25 +94,22 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
         keep = cum - top < top_p
         keep[0] = True
         return torch.zeros_like(probs).scatter_(0, idx[keep], top[keep])
-    out = torch.zeros_like(probs).scatter_(0, idx, top)
-    rest = probs.clone()
-    rest[idx] = 0.0
-    live = torch.nonzero(rest > 0).flatten()
-    if live.numel() == 0:                               # (the top tokens hold all the mass there is)
-        return out
-    p = rest[live].double()
-    lo, hi = float(p.min().log2()), float(top[-1].double().log2())
-    width = max(hi - lo, 1e-12) / NUCLEUS_BINS
-    bins = ((p.log2() - lo) / width).floor().clamp_(0, NUCLEUS_BINS - 1).long()
-    mass = torch.bincount(bins, weights=p, minlength=NUCLEUS_BINS)
+    if float(top[-1]) == 0.0:                           # the top tokens hold all the mass there is
+        return torch.zeros_like(probs).scatter_(0, idx, top)
+    rest = probs.clone().index_fill_(0, idx, 0.0)
+    # bins of log2-probability over the 64 octaves below the 256th token (rarer ones, and zeros, in the
+    # lowest: reached only when top_p is within 2^-64 of the mass there is)
+    hi = float(top[-1].log2())
+    bins = ((rest.log2() - (hi - NUCLEUS_OCTAVES)) * (NUCLEUS_BINS / NUCLEUS_OCTAVES)).floor_()
+    bins = bins.clamp_(0, NUCLEUS_BINS - 1).long()
+    mass = torch.bincount(bins, weights=rest.double(), minlength=NUCLEUS_BINS)
     down = torch.cumsum(mass.flip(0), 0).flip(0)        # mass of each bin and all above it
     before = float(cum[-1]) + torch.cat([down[1:], down.new_zeros(1)])   # mass above each bin
     reach = torch.nonzero(before + mass >= top_p).flatten()
     edge = int(reach.max()) if reach.numel() else 0     # the highest bin where the mass reaches top_p
-    whole = live[bins > edge]
-    out[whole] = probs[whole]
-    members = live[bins == edge]
-    vals, order = torch.sort(probs[members], descending=True)
+    out = torch.where(bins > edge, rest, 0.0).index_copy_(0, idx, top)
+    members = torch.nonzero(bins == edge).flatten()
+    vals, order = torch.sort(rest[members], descending=True)
     take = float(before[edge]) + torch.cumsum(vals.double(), 0) - vals.double() < top_p
     out[members[order[take]]] = vals[take]
     return out

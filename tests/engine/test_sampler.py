@@ -66,3 +66,4 @@ def test_a_wide_nucleus_over_a_large_vocabulary_matches_a_full_sort():
     few = torch.zeros(1000)
     few[:10] = torch.softmax(torch.randn(10, generator=g), 0)
     assert torch.equal(nucleus(few, 1.0 - 1e-9) > 0, few > 0)
+    assert torch.equal(nucleus(few * 0.5, 0.9) > 0, few > 0)      # (a mass below top_p: all of it)
