@@ -102,6 +102,7 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
     n = max(int(n_tokens), 1)
     ctx = max(int(ctx_len), n)
     rows = n if head_rows is None else min(n, head_rows)
+    expert_calls = NATIVE_CALLS_EXPERTS_PER_LAYER / len(cfg.expert_groups()) if cfg.is_moe else 0.0
     sides = ("cpu", "gpu") if prof.has_gpu else ("cpu",)
     ms = {side: np.zeros(len(spec.sublayers)) for side in ("cpu", "gpu")}
     for i, sub in enumerate(spec.sublayers):
@@ -125,9 +126,8 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
                 n_ops += (OPS_PER_EXPERT if n > 1 else OPS_PER_EXPERT_SINGLE) * spec.expected_experts(sub, n)
             issue = prof.op_ms(side, n_ops)
             if side == "cpu":
-                calls = NATIVE_CALLS[sub.kind] + (1 if sub.kind == "attn" and cfg.qk_norm else 0)
-                if sub.kind == "experts":
-                    calls = NATIVE_CALLS_EXPERTS_PER_LAYER / max(len(cfg.expert_groups()), 1)
+                calls = (expert_calls if sub.kind == "experts"
+                         else NATIVE_CALLS[sub.kind] + (1 if sub.kind == "attn" and cfg.qk_norm else 0))
                 issue += calls * prof.native_call_ms
             ms[side][i] = t + issue if side == "cpu" else max(t, issue)
     if not prof.has_gpu:   # any GPU placement costs infinity (crossings stay finite: 0 x inf is nan)
