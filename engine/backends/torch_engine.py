@@ -240,10 +240,11 @@ class TorchEngine(Engine):
         kind = None if self._forced == "auto" else self._forced
         from engine.sharding import graphs
 
-        # (the one-token CUDA graphs' pool and capture workspace stay out of the plans: see graphs.py)
-        budget -= graphs.reserve_for(budget, self.accel)
+        # (the one-token CUDA graphs' pool and capture workspace stay out of the one-token plan: see
+        # graphs.py; a larger tier's plan drops the graphs when it comes in, so it has the whole budget)
+        reserve = graphs.reserve_for(budget, self.accel)
         return self.planner().plan(budget, kv_tokens=self.kv_tokens if kv_tokens is None else kv_tokens,
-                                   force_kind=kind)
+                                   force_kind=kind, tier_reserve={1: reserve} if reserve else None)
 
     def _kv_to_plan_for(self) -> int:
         """The KV capacity a re-plan prices. One never priced before (a budget drop cut the capacity, or the

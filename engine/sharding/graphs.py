@@ -15,17 +15,22 @@ graph reads, refreshed once per step. Graphs replay in order on the compute stre
 used before its graph replays again, so they share one memory pool.
 
 Memory: the pool and the capture stream's cuBLAS workspace come out of `RESERVE`, which the engine keeps
-out of the plans' budget (`reserve_for`) and the graphs book when they first capture; where it cannot
+out of the one-token plan's budget (`reserve_for`; a larger tier's plan has the whole budget, since the
+graphs are dropped when it comes in: session 9's first suite row at 2 GiB, with the reserve out of every
+tier, prefilled in 256-token steps instead of 1024 and lost 3/4 of its prefill speed) and the graphs book
+when they first capture; where it cannot
 be booked (a budget below `MIN_ROOM`), or the allocator grows past it, everything runs eagerly. Every
 re-plan drops the graphs (weights move), gives their memory back to the driver (the suite's first run
 with graphs met an out-of-memory when a larger budget's weights came in beside the last plan's pool
 and capture workspace) and unbooks it. The replayed kernels are the eager ones, so the numbers are the same (tested on
 the GPU machine).
 
-Off by default; `SLIPSTREAM_CUDA_GRAPHS=1` turns them on. On the H200 (session 8, call D) the MoE shape's
+On by default; `SLIPSTREAM_CUDA_GRAPHS=0` turns them off. On the H200 (session 8, call D) the MoE shape's
 decode at 4 GiB ran 7-16% faster with them (host time per GPU attention 0.36-0.52 ms against 0.63-0.75),
 Llama-3-8B's at 4 GiB no faster (its step waits on PCIe), and the generation tests gave the same tokens
-with and without; but that call's suite met the out-of-memory above, and the fix is still to be run there.
+with and without. Session 9, call H: the MoE shape (8 layers, 4 GiB) 21.0-22.8 ms per token with them
+against 24.3-26.1 without, in alternating processes; the suite's re-plans 2 -> 4 -> 8 GiB with graphs on
+met no out-of-memory, and NVML's peaks stayed within the budgets.
 """
 
 from __future__ import annotations
@@ -44,9 +49,8 @@ MAX_GRAPHS = 160          # per plan: one per resident sub-layer of a kind plus 
 
 
 def enabled() -> bool:
-    """Off unless SLIPSTREAM_CUDA_GRAPHS=1: the giving back at re-plans is not yet verified on the GPU
-    machine (see the module docstring)."""
-    return os.environ.get("SLIPSTREAM_CUDA_GRAPHS", "0").lower() in ("1", "on", "true", "yes")
+    """On unless SLIPSTREAM_CUDA_GRAPHS is 0 (or off, false, no)."""
+    return os.environ.get("SLIPSTREAM_CUDA_GRAPHS", "1").lower() not in ("0", "off", "false", "no")
 
 
 def reserve_for(room: int, accel) -> int:

@@ -318,11 +318,14 @@ class Planner:
 
     # ---- planning ------------------------------------------------------------------------------
     def plan(self, budget_bytes: int | str, kv_tokens: int = 4096, force_kind: str | None = None,
-             strict: bool = False) -> PlanSet:
+             strict: bool = False, tier_reserve: dict[int, int] | None = None) -> PlanSet:
         """One plan per tier within `budget_bytes`. `force_kind` picks the best plan of that kind per tier;
         where none fits, that tier falls back to the best plan of any kind (its `kind` says which), or
-        with `strict` a BudgetError names the smallest budget the kind needs."""
+        with `strict` a BudgetError names the smallest budget the kind needs. `tier_reserve`: bytes a
+        tier's plan leaves free for work of its own (the one-token CUDA graphs: tier 1)."""
         budget = parse_bytes(budget_bytes, "budget")
+        tier_reserve = tier_reserve or {}
+        budgets = [max(budget - tier_reserve.get(t, 0), 0) for t in self.tiers]
         kind = force_kind or "auto"
         if kind != "auto" and kind not in PLAN_KINDS:
             raise BadInputError(f"plan kind {force_kind!r}: expected one of {', '.join(PLAN_KINDS)}")
@@ -335,10 +338,10 @@ class Planner:
             for ti in range(len(self.tiers)):
                 hit = None
                 if kind != "auto" and (front := self._front(kv_tokens, kind, int(group), ti)) is not None:
-                    hit = front.lookup(budget)
+                    hit = front.lookup(budgets[ti])
                     n_strict += hit is not None
                 if hit is None and (front := self._front(kv_tokens, "auto", int(group), ti)) is not None:
-                    hit = front.lookup(budget)
+                    hit = front.lookup(budgets[ti])
                 if hit is None:
                     break
                 picks.append(hit)
@@ -350,8 +353,8 @@ class Planner:
             need = format_bytes(self.min_budget(kind, kv_tokens))
             raise BudgetError(f"no {kind} plan fits a VRAM budget of {format_bytes(budget)} for every tier "
                               f"(the {kind} plans need at least {need})")
-        plans = [self._make_plan(m, ms, tier, kind, kv_tokens, budget)
-                 for (m, ms), tier in zip(best[1], self.tiers)]
+        plans = [self._make_plan(m, ms, tier, kind, kv_tokens, b)
+                 for (m, ms), tier, b in zip(best[1], self.tiers, budgets)]
         return PlanSet(budget, plans, step_tokens=best_step_tokens(plans))
 
     def min_budget(self, kind: str, kv_tokens: int = 4096) -> int:

@@ -234,3 +234,25 @@ def test_decode_tiers_never_attend_over_host_resident_kv():
         assert not any(ps.for_tokens(tier).host_kv_attention(i) for i in layers), tier
     small = Planner(spec, prof).plan(1100 << 20, kv_tokens=4096)
     assert any(small.for_tokens(1024).host_kv_attention(i) for i in layers)
+
+
+def test_a_tier_reserve_is_kept_from_that_tier_alone():
+    """The one-token CUDA graphs' reserve comes out of the decode tier's plan only: a larger tier's plan
+    has the whole budget (the graphs are dropped when it comes in). At Llama-3-8B's room under 2 GiB on
+    the H200 profile, the reserve out of every tier had cut the prefill step from 1024 tokens to 256."""
+    from pathlib import Path
+
+    from engine.bench.shapes import get_shape
+    from engine.commands.plan import profile_from_file
+
+    prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
+    planner = Planner(ModelSpec.from_config(get_shape("llama3-8b")), prof)
+    room, reserve = 1155530752, 64 << 20
+    plain = planner.plan(room, kv_tokens=4096)
+    kept = planner.plan(room, kv_tokens=4096, tier_reserve={1: reserve})
+    assert kept.for_tokens(1).vram.total <= room - reserve < plain.for_tokens(1).vram.total
+    assert kept.step_tokens == plain.step_tokens == 1024
+    for a, b in zip(plain.plans[1:], kept.plans[1:]):
+        assert a.placement == b.placement and a.vram.total == b.vram.total
+    everywhere = planner.plan(room - reserve, kv_tokens=4096)
+    assert everywhere.step_tokens < kept.step_tokens
