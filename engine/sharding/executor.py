@@ -22,6 +22,7 @@ mid-step (a budget drop never waits for a long prefill to finish).
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,6 +125,10 @@ class Executor:
         self.moe_steps: dict[str, tuple[range, bool] | None] = {}
         self._moe_layer: dict[str, int] = {}         # MoE sub-layer -> its layer
         self._later_groups: dict[str, list[str]] = {}   # expert group -> the groups after it in its layer
+        self._later_groups_of_router: dict[str, list[str]] = {}   # router -> its layer's groups
+        # A one-token step runs a MoE layer held in VRAM whole as one GPU call (`moe.layer_one_token`);
+        # False (or SLIPSTREAM_MOE_LAYER_CALL=0, for A/B runs): the router and the groups one by one
+        self.fused_moe = os.environ.get("SLIPSTREAM_MOE_LAYER_CALL", "1") != "0"
         for i in range(cfg.num_layers):
             if cfg.is_moe_layer(i):
                 self.moe_steps[f"layers.{i}.ffn"] = None
@@ -134,6 +139,7 @@ class Executor:
                     self.moe_steps[names[g]] = (experts, g == len(groups_i) - 1)
                     self._moe_layer[names[g]] = i
                     self._later_groups[names[g]] = names[g + 1:]
+                self._later_groups_of_router[f"layers.{i}.ffn"] = names
         # Routed expert streaming (see the module docstring): None = in the steps `routed_streaming`
         # picks, True = in every step (tests), False = never (streamed groups are copied whole).
         self.routed_experts: bool | None = None
@@ -420,6 +426,8 @@ class Executor:
                     x = dense.ffn_block(cfg, w, x)
             elif self.moe_steps[name] is not None and not on_gpu:
                 x = self._cpu_groups(name, w, x, fused)
+            elif (groups := self._layer_in_vram(name, x)) is not None:
+                x = self._moe_layer_on_gpu(name, w, groups, x, fused)
             else:
                 x = self._moe_step(name, self.moe_steps[name], w, x)
             if streamed and self.plan.placement[name] is Placement.STREAMED:
@@ -464,6 +472,37 @@ class Executor:
             self._routing.pop(layer, None)
             return moe.finish(x)
         return x
+
+    def _layer_in_vram(self, name: str, x: torch.Tensor) -> list[str] | None:
+        """The expert groups of router `name`'s layer where the whole layer can run as one GPU call for
+        this one-token step (`moe.layer_one_token`): the router and every group resident; else None."""
+        if not (self.fused_moe and self.moe_steps.get(name, 0) is None and x.is_cuda and x.shape[0] == 1):
+            return None
+        placement = self.plan.placement
+        groups = self._later_groups_of_router[name]
+        if placement[name] is not Placement.RESIDENT or any(placement[g] is not Placement.RESIDENT
+                                                             for g in groups):
+            return None
+        return groups
+
+    def _moe_layer_on_gpu(self, name: str, w, groups: list[str], x: torch.Tensor, fused: set[str]):
+        """A MoE layer whose router and groups are all in VRAM, for one token, with no host wait (from a
+        CUDA graph where they are on)."""
+        parts = [(self.store.resident[g][1], self.moe_steps[g][0]) for g in groups]
+        fused.update(groups)
+        if self.graphs is None:
+            return moe.layer_one_token(self.cfg, w, parts, x)
+        flat = {f"r.{k}": v for k, v in w.items()}
+        for i, (wg, _) in enumerate(parts):
+            flat.update({f"{i}.{k}": v for k, v in wg.items()})
+        ranges = [experts for _, experts in parts]
+
+        def run(f, x_):
+            return moe.layer_one_token(
+                self.cfg, {k[2:]: v for k, v in f.items() if k.startswith("r.")},
+                [({k.split(".", 1)[1]: v for k, v in f.items() if k.startswith(f"{i}.")}, r)
+                 for i, r in enumerate(ranges)], x_)
+        return self.graphs.run("moe", run, flat, x).clone()
 
     def _cpu_groups(self, name: str, w, s, fused: set[str]):
         """Expert group `name` on the CPU together with the groups of its layer that follow it there (one

@@ -178,3 +178,40 @@ def test_graphs_that_outgrow_their_reserve_give_it_back_and_run_eagerly(monkeypa
         assert torch.equal(g.run("ffn", lambda w_, x_: dense.ffn_block(cfg, w_, x_), w, x),
                            dense.ffn_block(cfg, w, x))
     assert g.replays == 0 and "over their" in g.stats()["cuda_graph_error"] and books.used == 0
+
+
+@cuda
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_moe_layers_held_in_vram_run_whole_without_host_waits(tiny_model, monkeypatch, arch):
+    """A one-token step runs a MoE layer whose router and groups are all resident as one GPU call (from a
+    graph where graphs are on): the same greedy tokens as the router and groups one by one; a layer with
+    a group elsewhere takes the general path."""
+    from engine.backends.torch_engine import TorchEngine
+
+    def all_cpu(self, budget, kv_tokens=None):
+        return PlanSet(budget, [Plan(t, "manual", {s.name: Placement.CPU for s in self.spec.sublayers}, 0)
+                                for t in self.tiers])
+
+    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu)
+    path = tiny_model(arch)
+    tokens, calls = {}, {}
+    for flag, whole in (("1", True), ("1", False), ("0", True)):
+        monkeypatch.setenv("SLIPSTREAM_CUDA_GRAPHS", flag)
+        eng = engine.open_model(path, device="cuda", backend="torch", vram_budget="3GiB", speculative=False)
+        placement = {s.name: Placement.RESIDENT for s in eng.spec.sublayers}
+        placement["layers.1.experts.0"] = Placement.STREAMED        # layer 1: the general path
+        planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), 1) for t in eng.tiers])
+        eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
+        eng.set_vram_budget(eng.budget)
+        ex = eng.executor
+        ex.fused_moe = whole
+        seen = []
+        real = ex._moe_layer_on_gpu
+        ex._moe_layer_on_gpu = lambda name, *a, seen=seen, real=real: seen.append(name) or real(name, *a)
+        tokens[(flag, whole)] = [e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=20)]
+        calls[(flag, whole)] = set(seen)
+        if flag == "1" and whole:
+            assert any(k[0] == "moe" for k in ex.graphs._graphs)
+        eng.close()
+    assert tokens[("1", True)] == tokens[("1", False)] == tokens[("0", True)]
+    assert calls[("1", True)] == calls[("0", True)] == {"layers.0.ffn"} and not calls[("1", False)]

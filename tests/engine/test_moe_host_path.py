@@ -179,3 +179,52 @@ def test_one_token_routing_sorted_on_the_host_matches_the_general_path(seed):
     assert torch.equal(weights, top_w.reshape(-1)[order])
     two = moe._sorted_pairs(cfg, top_w.repeat(2, 1), top_i.repeat(2, 1))   # more tokens: the general path
     assert not isinstance(two[2], list) and two[2][-1].item() == 2 * cfg.num_experts_per_tok
+
+
+def _moe_layer(arch: str, dtype: torch.dtype, fused_gate_up: bool, seed: int):
+    cfg = ModelConfig(arch=arch, vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
+                      num_kv_heads=1, head_dim=16, rope_theta=1e4, max_position_embeddings=64,
+                      dtype=str(dtype).split(".")[1], num_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=16, norm_topk_prob=arch == "qwen3_moe", expert_group_size=3)
+    g = torch.Generator().manual_seed(seed)
+    router = {"ffn_norm.weight": (1 + 0.1 * torch.randn(32, generator=g)).to(dtype),
+              "router.weight": torch.randn(8, 32, generator=g).to(dtype)}
+    gate_up = torch.randn(8, 32, 32, generator=g) * 0.2
+    down = torch.randn(8, 32, 16, generator=g) * 0.2
+    groups = []
+    for experts in cfg.expert_groups():
+        sl = slice(experts.start, experts.stop)
+        w = {"experts.down.weight": down[sl].to(dtype).contiguous()}
+        if fused_gate_up:
+            w["experts.gate_up.weight"] = gate_up[sl].to(dtype).contiguous()
+        else:
+            w["experts.gate.weight"] = gate_up[sl, :16].to(dtype).contiguous()
+            w["experts.up.weight"] = gate_up[sl, 16:].to(dtype).contiguous()
+        groups.append((w, experts))
+    return cfg, router, groups, g
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fused_gate_up", [True, False])
+def test_one_token_layer_in_one_call_matches_the_general_path(device, arch, dtype, fused_gate_up):
+    """A MoE layer held in one place runs for one token with nothing read back to the host (every group's
+    experts over the token, the routed rows kept, summed in ascending expert order): the same output as
+    the router, the groups one by one and the residual add, to rounding, over tokens routed to one group
+    or spread over several."""
+    for seed in range(6):
+        cfg, router, groups, g = _moe_layer(arch, dtype, fused_gate_up, seed)
+        on = lambda w: {k: v.to(device) for k, v in w.items()}
+        router, groups = on(router), [(on(w), r) for w, r in groups]
+        x = torch.randn(1, 32, generator=g).to(dtype).to(device)
+        s = moe.router_block(cfg, router, x)
+        for w, experts in groups:
+            s = moe.experts_block(cfg, w, s, experts)
+        want = moe.finish(s)
+        got = moe.layer_one_token(cfg, router, groups, x)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), (seed, (got - want).abs().max())
+        assert not torch.equal(got, x)
