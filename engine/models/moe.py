@@ -277,14 +277,15 @@ def layer_one_token(cfg: ModelConfig, router_w: dict[str, torch.Tensor],
         local = ids - experts.start
         inside = ((local >= 0) & (local < n)).unsqueeze(1)
         pick = local.clamp(0, n - 1)
+        # (batched matmuls over the stacked views as they are: a group's buffer holds each expert's
+        # gate, up and down together, so a stack is not one matrix, and reshaping it would copy it)
+        hs = h.reshape(1, -1, 1).expand(n, -1, 1)
         gate_up = w.get("experts.gate_up.weight")
         if gate_up is not None:
-            gu = linear(h, gate_up.reshape(-1, gate_up.shape[-1])).view(n, -1)
-            gate, up = gu.chunk(2, dim=-1)
+            gate, up = torch.bmm(gate_up, hs).squeeze(-1).chunk(2, dim=-1)
         else:
-            g_, u_ = w["experts.gate.weight"], w["experts.up.weight"]
-            gate = linear(h, g_.reshape(-1, g_.shape[-1])).view(n, -1)
-            up = linear(h, u_.reshape(-1, u_.shape[-1])).view(n, -1)
+            gate = torch.bmm(w["experts.gate.weight"], hs).squeeze(-1)
+            up = torch.bmm(w["experts.up.weight"], hs).squeeze(-1)
         act = F.silu(gate) * up                                                   # [n, intermediate]
         y = torch.bmm(w["experts.down.weight"], act.unsqueeze(-1)).squeeze(-1)    # [n, hidden]
         ys = torch.where(inside, y[pick], ys)

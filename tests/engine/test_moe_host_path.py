@@ -181,25 +181,29 @@ def test_one_token_routing_sorted_on_the_host_matches_the_general_path(seed):
     assert not isinstance(two[2], list) and two[2][-1].item() == 2 * cfg.num_experts_per_tok
 
 
-def _moe_layer(arch: str, dtype: torch.dtype, fused_gate_up: bool, seed: int):
+def _moe_layer(arch: str, dtype: torch.dtype, fused_gate_up: bool, seed: int, device: str):
     cfg = ModelConfig(arch=arch, vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=16, rope_theta=1e4, max_position_embeddings=64,
                       dtype=str(dtype).split(".")[1], num_experts=8, num_experts_per_tok=3,
                       moe_intermediate_size=16, norm_topk_prob=arch == "qwen3_moe", expert_group_size=3)
     g = torch.Generator().manual_seed(seed)
-    router = {"ffn_norm.weight": (1 + 0.1 * torch.randn(32, generator=g)).to(dtype),
-              "router.weight": torch.randn(8, 32, generator=g).to(dtype)}
+    router = {"ffn_norm.weight": (1 + 0.1 * torch.randn(32, generator=g)).to(dtype).to(device),
+              "router.weight": torch.randn(8, 32, generator=g).to(dtype).to(device)}
     gate_up = torch.randn(8, 32, 32, generator=g) * 0.2
     down = torch.randn(8, 32, 16, generator=g) * 0.2
     groups = []
     for experts in cfg.expert_groups():
-        sl = slice(experts.start, experts.stop)
-        w = {"experts.down.weight": down[sl].to(dtype).contiguous()}
+        # each expert's gate, up and down back to back in one buffer, the stacks views of it (as the
+        # weight store lays a group out): no stack is one contiguous tensor
+        sl, n = slice(experts.start, experts.stop), len(experts)
+        buf = torch.cat([gate_up[sl].reshape(n, -1), down[sl].reshape(n, -1)], dim=1).to(dtype).to(device)
+        w = {"experts.down.weight": buf[:, 1024:].view(n, 32, 16)}
         if fused_gate_up:
-            w["experts.gate_up.weight"] = gate_up[sl].to(dtype).contiguous()
+            w["experts.gate_up.weight"] = buf[:, :1024].view(n, 32, 32)
         else:
-            w["experts.gate.weight"] = gate_up[sl, :16].to(dtype).contiguous()
-            w["experts.up.weight"] = gate_up[sl, 16:].to(dtype).contiguous()
+            w["experts.gate.weight"] = buf[:, :512].view(n, 16, 32)
+            w["experts.up.weight"] = buf[:, 512:1024].view(n, 16, 32)
+        assert not any(t.is_contiguous() for t in w.values()) or n == 1
         groups.append((w, experts))
     return cfg, router, groups, g
 
@@ -215,9 +219,7 @@ def test_one_token_layer_in_one_call_matches_the_general_path(device, arch, dtyp
     the router, the groups one by one and the residual add, to rounding, over tokens routed to one group
     or spread over several."""
     for seed in range(6):
-        cfg, router, groups, g = _moe_layer(arch, dtype, fused_gate_up, seed)
-        on = lambda w: {k: v.to(device) for k, v in w.items()}
-        router, groups = on(router), [(on(w), r) for w, r in groups]
+        cfg, router, groups, g = _moe_layer(arch, dtype, fused_gate_up, seed, device)
         x = torch.randn(1, 32, generator=g).to(dtype).to(device)
         s = moe.router_block(cfg, router, x)
         for w, experts in groups:
