@@ -70,6 +70,7 @@ class Request:
         self.submitted = time.perf_counter()
         self.t_first: float | None = None     # when the scheduler sampled the first and last tokens
         self.t_last: float | None = None
+        self.token_times: list[float] = []     # when it sampled each token (batched decode's throughput)
 
     @property
     def done(self) -> bool:
@@ -359,6 +360,7 @@ class Scheduler:
 
     def _emit(self, req: Request, tid: int) -> None:
         req.t_last = time.perf_counter()
+        req.token_times.append(req.t_last)
         if req.t_first is None:
             req.t_first = req.t_last
         req.tokens.append(tid)

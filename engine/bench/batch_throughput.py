@@ -54,6 +54,17 @@ def decode_rate(req) -> float:
     return (req.generated - 1) / (req.t_last - req.t_first) if req.generated > 1 else 0.0
 
 
+def decode_aggregate(reqs) -> float | None:
+    """Tokens per second of all streams together once every one of them has its first token (every
+    prompt is in): the tokens sampled after that moment over the time to the last token, as
+    llama-batched-bench's decode figure (S_TG) counts its batch's tokens after the prompts; None where
+    nothing came after it."""
+    start = max(r.t_first for r in reqs)
+    end = max(r.t_last for r in reqs)
+    n = sum(1 for r in reqs for t in r.token_times if t > start)
+    return n / (end - start) if n and end > start else None
+
+
 def run_streams(eng, n_streams: int, prompt_tokens: int, new_tokens: int, seed: int) -> dict:
     """Submit `n_streams` requests at once; time them to the end."""
     eng.scheduler.counters["max_batch_size"] = 0
@@ -72,6 +83,7 @@ def run_streams(eng, n_streams: int, prompt_tokens: int, new_tokens: int, seed: 
         "streams": n_streams, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
         "generated_tokens": generated, "wall_s": wall,
         "aggregate_tokens_per_s": generated / wall,
+        "decode_aggregate_tokens_per_s": decode_aggregate([h.request for h in handles]),
         "per_stream_tokens_per_s": statistics.median(decode_rate(h.request) for h in handles),
         "ttft_s_median": statistics.median(h.request.t_first - h.request.submitted for h in handles),
         "steps": steps, "max_batch_size": after["max_batch_size"],

@@ -285,9 +285,13 @@ NOTES = [
     "before, one repeated byte and greedy decoding), each prompt drawn afresh per length, budget and run "
     "(from session 8; before, a budget's prompts and the 512-token one repeated earlier prompts' starts, "
     "which the prefix cache served)."),
-    ("Batched decode (4, 16 sequences): llama-batched-bench (aggregate t/s) where it ran; Slipstream: its "
-    "continuous-batching scheduler, 4 or 16 requests submitted at once, 16 new tokens each after a 64-token "
-    "prompt, aggregate tokens/s over the wall time (prefill included)."),
+    ("Batched decode (4, 16 sequences): llama-batched-bench's decode figure (S_TG: the batch's new tokens "
+    "over the time after its prompts) where it ran; Slipstream: its continuous-batching scheduler, 4 or 16 "
+    "requests submitted at once after a 64-token prompt each. Rows measured through session 9: 16 new "
+    "tokens each, aggregate tokens/s over the whole wall time, prefill included (so below what "
+    "llama-batched-bench's figure counts); later rows: 32 new tokens each, the tokens after every stream "
+    "has its first one over the time to the last (as S_TG), the wall-time figure kept as "
+    "decode_batch*_wall_tps in results.json."),
     ("bound: not a run; the physical bound from the measured profile (see engine/bench/bound.py), with the "
     "CPU and PCIe rates measured together (a run whose CPU idles while PCIe copies may pass it: results.json "
     "also gives the bound at the rates measured alone, *_rates_alone); a MoE prefill's CPU computes an expert "
