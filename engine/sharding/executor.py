@@ -5,7 +5,9 @@ copy engine filled ahead of time (double-buffered: while one slot is computed on
 sub-layer is copied into the other; prefetch carries across steps), `cpu` from host memory. Activations
 cross between CPU and GPU only where consecutive sub-layers sit on different sides. The KV cache of a
 layer lives where that layer's attention runs. In a mixture-of-experts layer the router (`ffn`) and each
-expert group run where each is placed, the `MoeState` between them crossing sides like the hidden state.
+expert group run where each is placed, the `MoeState` between them crossing sides like the hidden state;
+a one-token step on the GPU runs a layer whose router and groups are all resident as one call that reads
+nothing back to the host (`moe.layer_one_token`, from a CUDA graph where graphs are on).
 
 Routed expert streaming: in steps that touch few experts (`spec.routed_streaming`: decode, short steps) a
 streamed expert group is not copied whole ahead of time. Its load waits in a queue until its layer's

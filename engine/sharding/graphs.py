@@ -4,7 +4,8 @@ A decode step's GPU sub-layers are short: a one-token attention's norm, projecti
 are about 30 small kernels over weights already in VRAM, and the host takes 10-20 us to issue each. The
 H200 traces (session 8, the MoE shape at 4 GiB) show 0.5 ms of host time in them per attention, 24 per
 token, on the path of a step whose host is the bottleneck. A CUDA graph issues the same kernels in one
-launch; the same holds for a one-token FFN on the GPU.
+launch; the same holds for a one-token FFN on the GPU, and for a MoE layer held in VRAM whole
+(`moe.layer_one_token`: router, every expert group and the residual add, with nothing read back).
 
 A graph is keyed by what it computes and the weights' addresses, shapes and strides: a streamed
 sub-layer's weights sit in a slot whose views have the same addresses for every layer the slot carries,
@@ -18,8 +19,8 @@ Memory: the pool and the capture stream's cuBLAS workspace come out of `RESERVE`
 out of the one-token plan's budget (`reserve_for`; a larger tier's plan has the whole budget, since the
 graphs are dropped when it comes in: session 9's first suite row at 2 GiB, with the reserve out of every
 tier, prefilled in 256-token steps instead of 1024 and lost 3/4 of its prefill speed) and the graphs book
-when they first capture; where it cannot
-be booked (a budget below `MIN_ROOM`), or the allocator grows past it, everything runs eagerly. Every
+when they first capture; where it cannot be booked (a budget below `MIN_ROOM`), or the allocator grows
+past it, everything runs eagerly. Every
 re-plan drops the graphs (weights move), gives their memory back to the driver (the suite's first run
 with graphs met an out-of-memory when a larger budget's weights came in beside the last plan's pool
 and capture workspace) and unbooks it. The replayed kernels are the eager ones, so the numbers are the same (tested on
