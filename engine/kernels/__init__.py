@@ -43,7 +43,11 @@ MIN_WEIGHTS = 1 << 22      # smaller float32 matrices stay with PyTorch: its one
 MIN_WEIGHTS_16BIT = 1 << 16   # 16-bit weights go native from here: PyTorch's one-row 16-bit matmul was slower
                               # than the pool at every size measured (a bf16 135M model: 53 -> 36 ms per token)
 MAX_NORM_ELEMENTS = 1 << 16   # rms_norm natively up to this many elements (decode; a prompt keeps PyTorch's)
-MAX_ROWS = 16              # above this many rows PyTorch's blocked GEMM (AMX/AVX-512) is the better path
+MAX_ROWS = 16              # above this many rows PyTorch's blocked GEMM (AVX-512) is the better path
+MAX_ROWS_AMX_BF16 = 4      # bf16 where the CPU has AMX: PyTorch's GEMM reads the weights once at any row
+                           # count while the kernel's dot products grow with the rows (engine.bench.cpu_matmul:
+                           # 8 rows 13.4 GB/s against 22.9 on two cores here; 16 rows 23.5-27.8 against
+                           # 56.7-68.8 on the H200 host; 4 rows still the kernel's, 66-79 against 62-66)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ISA = {0: "portable C", 1: "AVX-512", 2: "AVX512-BF16"}
 
@@ -215,13 +219,29 @@ def set_attention_enabled(flag: bool) -> bool:
     return old
 
 
+_amx: bool | None = None
+
+
+def max_rows(dtype: torch.dtype) -> int:
+    """The most rows a native matmul of `dtype` takes (SLIPSTREAM_NATIVE_MAX_ROWS overrides, for A/B runs)."""
+    global _amx
+    env = os.environ.get("SLIPSTREAM_NATIVE_MAX_ROWS")
+    if env:
+        return int(env)
+    if dtype != torch.bfloat16:
+        return MAX_ROWS
+    if _amx is None:
+        _amx = " amx_bf16" in f" {_cpu_features()} "
+    return MAX_ROWS_AMX_BF16 if _amx else MAX_ROWS
+
+
 def usable(x: torch.Tensor, w: torch.Tensor, min_weights: int | None = None) -> bool:
     if min_weights is None:
         min_weights = MIN_WEIGHTS if w.dtype == torch.float32 else MIN_WEIGHTS_16BIT
     if _building.is_set():
         return False
     return (_enabled and x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype and x.dtype in _DTYPES
-            and w.dim() == 2 and x.shape[-1] == w.shape[1] and 0 < x.numel() // max(w.shape[1], 1) <= MAX_ROWS
+            and w.dim() == 2 and x.shape[-1] == w.shape[1] and 0 < x.numel() // max(w.shape[1], 1) <= max_rows(w.dtype)
             and w.numel() >= min_weights
             and _load() is not None)
 
@@ -262,7 +282,7 @@ def linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor],
                 min_weights: int | None = None) -> torch.Tensor | None:
     """`cat([x @ w.T for x, w in zip(xs, ws)])` as one job on the native pool: the experts a step routes
     to, each a matrix too small to be worth a pool wake-up of its own. Every w is [N, K] (one shape),
-    every x [m_i, K] with 1 <= m_i <= MAX_ROWS, all on the CPU in one dtype. Returns [sum m_i, N], or
+    every x [m_i, K] with 1 <= m_i <= max_rows(dtype), all on the CPU in one dtype. Returns [sum m_i, N], or
     None where the kernel does not apply (the caller then loops with PyTorch). `min_weights` applies to
     the matrices together."""
     if not xs or len(xs) != len(ws) or len(xs) > MAX_BATCH or not _enabled or _building.is_set():
@@ -272,9 +292,10 @@ def linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor],
                                                                            else min_weights):
         return None
     n, k = w0.shape
+    rows = max_rows(w0.dtype)
     for x, w in zip(xs, ws):
         if (w.shape != w0.shape or w.dtype != w0.dtype or x.dtype != w0.dtype or w.device.type != "cpu"
-                or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k or not 0 < x.shape[0] <= MAX_ROWS
+                or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k or not 0 < x.shape[0] <= rows
                 or not x.is_contiguous() or not w.is_contiguous() or x.requires_grad or w.requires_grad):
             return None
     return _batch(w0.dtype, [x.data_ptr() for x in xs], [w.data_ptr() for w in ws], [x.shape[0] for x in xs],
