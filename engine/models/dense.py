@@ -133,6 +133,18 @@ def _attend(q, keys, values, mask, gqa: bool) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[None, None], enable_gqa=gqa)[0]
 
 
+def attend_one_token(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One new token's attention over a padded context: q [heads, 1, d], keys and values [kv_heads, L, d],
+    `valid` bool [L] (the positions it may see). Each KV head's group of query heads goes in as that
+    head's queries (they share one position, so one mask row serves them all): grouped heads without
+    expanding the keys, in one fused kernel of static shapes (a CUDA graph captures it)."""
+    kvh, length, d = keys.shape
+    heads = q.shape[0]
+    out = F.scaled_dot_product_attention(q.reshape(1, kvh, heads // kvh, d), keys[None], values[None],
+                                         attn_mask=valid.view(1, 1, 1, length))
+    return out.reshape(heads, 1, d)
+
+
 def ffn_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """Pre-norm SwiGLU feed-forward."""
     h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)

@@ -131,6 +131,8 @@ class Executor:
         # A one-token step runs a MoE layer held in VRAM whole as one GPU call (`moe.layer_one_token`);
         # False (or SLIPSTREAM_MOE_LAYER_CALL=0, for A/B runs): the router and the groups one by one
         self.fused_moe = os.environ.get("SLIPSTREAM_MOE_LAYER_CALL", "1") != "0"
+        # a one-token attention captured whole, cache write included (see graphs.attention_enabled)
+        self.graph_attention = graphs.attention_enabled()
         for i in range(cfg.num_layers):
             if cfg.is_moe_layer(i):
                 self.moe_steps[f"layers.{i}.ffn"] = None
@@ -572,12 +574,37 @@ class Executor:
             return out
 
         cos, sin = cos_sin
+        pool = self.kv.pools[layer]
+        if (self.graphs is not None and self.graphs.applies(x) and self.graph_attention and len(segs) == 1
+                and segs[0].n == 1 and not host_kv and pool.on_gpu and not pool.fp8):
+            return self._attention_captured(w, x, segs[0], pool, cos, sin)
         if self.graphs is not None and self.graphs.applies(x):
             cs = self.graphs.rope(cos, sin)
             q, k, v = self.graphs.run("attn", lambda w_, x_: dense.attention_qkv(self.cfg, w_, x_, *cs), w, x)
         else:
             q, k, v = dense.attention_qkv(self.cfg, w, x, cos, sin)
         return dense.attention_out(self.cfg, w, x, q, k, v, None, None, None, attend)
+
+    def _attention_captured(self, w, x: torch.Tensor, s: _Segment, pool, cos, sin) -> torch.Tensor:
+        """A one-token attention on the GPU whole, its cache write and its attention over a padded
+        context included (`OneTokenGraphs.decode_index`, `dense.attend_one_token`), from one graph."""
+        cfg, g = self.cfg, self.graphs
+        cs = g.rope(cos, sin)
+        rows, table, valid = g.decode_index(s.seq.block_table, s.start, cfg.sliding_window, x.device)
+        wk = {**w, "kv.k": pool.parts[0], "kv.v": pool.parts[1], "kv.rows": rows, "kv.table": table,
+              "kv.valid": valid}
+
+        def run(w_, x_):
+            kp, vp = w_["kv.k"], w_["kv.v"]
+
+            def attend(q, k, v):
+                for part, new in ((kp, k), (vp, v)):
+                    part.view(-1, *part.shape[2:]).index_copy_(0, w_["kv.rows"], new.transpose(0, 1).to(part.dtype))
+                keys, values = (p.index_select(0, w_["kv.table"]).view(-1, *p.shape[2:]).transpose(0, 1)
+                                for p in (kp, vp))
+                return dense.attend_one_token(q, keys, values, w_["kv.valid"])
+            return dense.attention_out(cfg, w_, x_, *dense.attention_qkv(cfg, w_, x_, *cs), None, None, None, attend)
+        return g.run("attnkv", run, wk, x).clone()
 
     def _decode_natively(self, layer: int, s: _Segment, q: torch.Tensor, out: torch.Tensor | None = None):
         """Segment `s`'s attention through the native kernel over a CPU pool where it is one decode token

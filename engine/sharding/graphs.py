@@ -26,6 +26,12 @@ with graphs met an out-of-memory when a larger budget's weights came in beside t
 and capture workspace) and unbooks it. The replayed kernels are the eager ones, so the numbers are the same (tested on
 the GPU machine).
 
+With `SLIPSTREAM_GRAPH_ATTENTION=1` a one-token attention is captured whole: its cache write (a pool
+row from a device index) and its attention over a padded context (the sequence's blocks gathered through
+a padded table, its positions masked: `decode_index`, `dense.attend_one_token`), so the eager glue between
+the projections and the output projection goes too. Off until it has run on the GPU machine (written in
+session 9, after the last call); tested on the CPU with the graphs' replays run eagerly.
+
 On by default; `SLIPSTREAM_CUDA_GRAPHS=0` turns them off. On the H200 (session 8, call D) the MoE shape's
 decode at 4 GiB ran 7-16% faster with them (host time per GPU attention 0.36-0.52 ms against 0.63-0.75),
 Llama-3-8B's at 4 GiB no faster (its step waits on PCIe), and the generation tests gave the same tokens
@@ -43,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import OutOfBudgetError
+from engine.sharding.kvcache import BLOCK_SIZE
 
 RESERVE = 64 << 20        # VRAM kept for the pool (a few MB) and the capture stream's cuBLAS workspace
 MIN_ROOM = 16 * RESERVE   # no graphs in smaller budgets: the reserve would cost more weights than it saves
@@ -52,6 +59,20 @@ MAX_GRAPHS = 160          # per plan: one per resident sub-layer of a kind plus 
 def enabled() -> bool:
     """On unless SLIPSTREAM_CUDA_GRAPHS is 0 (or off, false, no)."""
     return os.environ.get("SLIPSTREAM_CUDA_GRAPHS", "1").lower() not in ("0", "off", "false", "no")
+
+
+MIN_CONTEXT = 256         # the smallest padded context of a captured decode attention (then powers of two)
+
+
+def attention_enabled() -> bool:
+    """Whether a one-token attention is captured whole, its cache write and attention over a padded
+    context included (`SLIPSTREAM_GRAPH_ATTENTION=1`; off until it has run on the GPU machine)."""
+    return os.environ.get("SLIPSTREAM_GRAPH_ATTENTION", "0").lower() in ("1", "on", "true", "yes")
+
+
+def padded_context(length: int) -> int:
+    """The padded context a decode attention over `length` positions is captured for."""
+    return max(MIN_CONTEXT, 1 << (length - 1).bit_length())
 
 
 def reserve_for(room: int, accel) -> int:
@@ -78,6 +99,8 @@ class OneTokenGraphs:
         self._no_room = False
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rope_src: tuple | None = None
+        self._kv_index: tuple[int, torch.Tensor, torch.Tensor] | None = None   # (context, rows, valid)
+        self._kv_src: tuple | None = None
         self.booked = 0
         self.error: str | None = None
         self._base = 0
@@ -101,6 +124,36 @@ class OneTokenGraphs:
             self._rope[1].copy_(sin)
         self._rope_src = (cos, sin)          # (held, so a new step's tensors can never share their identity)
         return self._rope
+
+    def decode_index(self, blocks: list[int], start: int, window: int | None,
+                     device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The buffers a captured decode attention reads for a new token at position `start` of a sequence
+        whose cache blocks are `blocks`: its pool row [1], the blocks of the padded context
+        (`padded_context`; past the sequence's own blocks, its first block again) and which of those
+        positions the token sees (bool [context]: before it, and within `window`). Refreshed once per step
+        (every layer shares them); a new context size drops the graphs that read the last one's."""
+        length = start + 1
+        ctx = padded_context(length)
+        n_blocks = ctx // BLOCK_SIZE
+        if self._kv_index is None or self._kv_index[0] != ctx:
+            self._graphs = {k: g for k, g in self._graphs.items() if k[0] != "attnkv"}
+            self._kv_index = (ctx, torch.empty(1 + n_blocks, dtype=torch.long, device=device),
+                              torch.empty(ctx, dtype=torch.bool, device=device))
+            self._kv_src = None
+        _, rows, valid = self._kv_index
+        used = blocks[:-(-length // BLOCK_SIZE)]
+        src = (start, tuple(used), window)
+        if src != self._kv_src:
+            table = used + [used[0]] * (n_blocks - len(used))
+            slot = used[start // BLOCK_SIZE] * BLOCK_SIZE + start % BLOCK_SIZE
+            rows.copy_(torch.tensor([slot, *table], dtype=torch.long))
+            pos = torch.arange(ctx)
+            seen = pos <= start
+            if window is not None:
+                seen &= pos > start - window
+            valid.copy_(seen)
+            self._kv_src = src
+        return rows[:1], rows[1:], valid
 
     def run(self, kind: str, fn: Callable, w: dict[str, torch.Tensor], x: torch.Tensor):
         """`fn(w, x)` for a one-token `x` on the GPU (its other inputs: `rope`'s buffers), from a graph.
@@ -179,6 +232,7 @@ class OneTokenGraphs:
         self._pool, self._stream = None, None
         self._no_room = False
         self._rope, self._rope_src = None, None
+        self._kv_index, self._kv_src = None, None
         if had_pool:
             torch.cuda.synchronize()
             clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)

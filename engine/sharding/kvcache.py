@@ -333,6 +333,11 @@ class PagedKVCache:
         for b in range(keep):  # block by block, so a move never needs a second whole copy in flight
             for new_part, old_part in zip(parts, old_parts):
                 new_part[b].copy_(old_part[b])
+        # Rows no token has written yet are zeros, never leftover bytes: a padded read (a batch's shorter
+        # sequences, a captured decode attention's padded context) gathers them under a mask, and a
+        # masked NaN still poisons the softmax's weighted sum (0 x NaN)
+        for part in parts:
+            part[keep:].zero_()
         pool.parts, pool.on_gpu = parts, on_gpu
         if old_bytes > new_bytes:
             self.accel.unbook(old_bytes - new_bytes, "kv")

@@ -215,3 +215,104 @@ def test_moe_layers_held_in_vram_run_whole_without_host_waits(tiny_model, monkey
         eng.close()
     assert tokens[("1", True)] == tokens[("1", False)] == tokens[("0", True)]
     assert calls[("1", True)] == calls[("0", True)] == {"layers.0.ffn"} and not calls[("1", False)]
+
+
+class _EagerGraphs(graphs.OneTokenGraphs):
+    """The graphs' bookkeeping with every "replay" run eagerly: what a captured graph computes, on any
+    device (a replay runs the captured kernels, so it computes the same)."""
+
+    def __init__(self):
+        super().__init__(None)
+        self.kinds: list[str] = []
+
+    @staticmethod
+    def applies(x):
+        return x.shape[0] == 1
+
+    def run(self, kind, fn, w, x):
+        self.kinds.append(kind)
+        return fn(w, x)
+
+
+@pytest.mark.parametrize("arch,options", [("llama3", {}), ("qwen3", {}), ("mistral", {"sliding_window": 24}), ("mistral", {})])
+def test_a_decode_attention_over_a_padded_context_matches_the_paged_path(tiny_model, monkeypatch, arch, options):
+    """The whole one-token attention as a graph captures it (the new key and value written at a row from a
+    device index, the context gathered through a padded block table, the token's positions masked) gives
+    the tokens of the paged path, across growing padded contexts, a sliding window and blocks handed out
+    in any order; sim device, float32, greedy and sampled. Memory comes from the allocator NaN-filled, as
+    reused memory can be: the padding must gather no leftover bytes."""
+    monkeypatch.setattr(graphs, "MIN_CONTEXT", 16)
+    real_empty = torch.empty
+
+    def dirty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", dirty)
+    path = tiny_model(arch, **options)
+    runs = {}
+    for captured in (False, True):
+        eng = engine.open_model(path, device="sim", backend="torch", vram_budget="1GiB", speculative=False)
+        placement = {s.name: (Placement.RESIDENT if s.name.endswith(".attn") else Placement.CPU)
+                     for s in eng.spec.sublayers}
+        planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), 0) for t in eng.tiers])
+        eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
+        eng.set_vram_budget(eng.budget)
+        ex = eng.executor
+        ex.graphs, ex.graph_attention = _EagerGraphs(), captured
+        # blocks handed out of order: a first request leaves holes in the pool
+        list(eng.generate("one two three four five six seven eight nine ten", max_new_tokens=30))
+        out = [[e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=40, **kw)]
+               for kw in ({}, {"temperature": 0.9, "seed": 3})]
+        runs[captured] = (out, list(ex.graphs.kinds))
+        eng.close()
+    assert runs[True][0] == runs[False][0]
+    assert runs[True][1].count("attnkv") >= 2 * 40 and "attnkv" not in runs[False][1]
+
+
+def test_the_padded_context_grows_by_powers_of_two_and_drops_the_last_ones_graphs():
+    g = _EagerGraphs()
+    assert [graphs.padded_context(n) for n in (1, 256, 257, 600, 4096)] == [256, 256, 512, 1024, 4096]
+    g._graphs[("attnkv", 0)] = g._graphs[("attn", 0)] = object()
+    rows, table, valid = g.decode_index(list(range(40, 0, -1)), 300, None, "cpu")
+    assert ("attnkv", 0) not in g._graphs and ("attn", 0) in g._graphs
+    assert table.shape == (512 // 16,) and valid.shape == (512,)
+    assert rows.item() == (40 - 300 // 16) * 16 + 300 % 16        # block 300 // 16 of the table, row 300 % 16
+    assert valid.sum().item() == 301 and valid[:301].all()
+    assert table[:19].tolist() == list(range(40, 21, -1)) and set(table[19:].tolist()) == {40}
+    g.decode_index(list(range(40, 0, -1)), 300, 100, "cpu")
+    assert valid.sum().item() == 100 and valid[201:301].all()
+
+
+@cuda
+@pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen3_moe"])
+def test_captured_decode_attention_gives_the_tokens_of_the_paged_path_on_cuda(tiny_model, monkeypatch, arch):
+    """SLIPSTREAM_GRAPH_ATTENTION=1 on the GPU: each one-token attention replays whole from a graph (cache
+    write and padded context included), across the padded context's growth; the same tokens as without."""
+    from engine.backends.torch_engine import TorchEngine
+
+    def all_cpu(self, budget, kv_tokens=None):
+        return PlanSet(budget, [Plan(t, "manual", {s.name: Placement.CPU for s in self.spec.sublayers}, 0)
+                                for t in self.tiers])
+
+    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu)
+    monkeypatch.setattr(graphs, "MIN_CONTEXT", 16)
+    path = tiny_model(arch)
+    tokens, kinds = {}, {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("SLIPSTREAM_GRAPH_ATTENTION", flag)
+        eng = engine.open_model(path, device="cuda", backend="torch", vram_budget="3GiB", speculative=False)
+        rng = random.Random(5)
+        placement = {s.name: (rng.choice([Placement.RESIDENT, Placement.STREAMED]) if s.name.endswith(".attn")
+                              else rng.choice(list(Placement))) for s in eng.spec.sublayers}
+        planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), 2) for t in eng.tiers])
+        eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
+        eng.set_vram_budget(eng.budget)
+        tokens[flag] = [[e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=40, **kw)]
+                        for kw in ({}, {"temperature": 0.9, "seed": 3})]
+        kinds[flag] = {k[0] for k in eng.executor.graphs._graphs}
+        replays = eng.executor.graphs.replays
+        eng.close()
+        assert replays > 0
+    assert tokens["1"] == tokens["0"]
+    assert "attnkv" in kinds["1"] and "attnkv" not in kinds["0"]

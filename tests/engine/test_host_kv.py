@@ -475,3 +475,31 @@ def test_budget_drops_land_on_power_of_two_kv_capacities():
     assert [cut_kv_tokens(n) for n in (5, 7, 8)] == [256, 256, 256]
     assert cut_kv_tokens(9) == 512
     assert cut_kv_tokens(0) == KV_CUT_FLOOR_TOKENS == 64
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["16-bit", "fp8"])
+def test_rows_no_token_wrote_are_zeros_after_every_growth_and_move(fp8, monkeypatch):
+    """A pool's rows are zeros until a token writes them: freshly made, grown and moved between the GPU
+    and the host. Padded reads gather such rows under a mask, where leftover bytes read as NaN would
+    poison the weighted sum (0 x NaN). The allocator is made to hand out NaN-filled memory here."""
+    real_empty = torch.empty
+
+    def dirty(*args, **kwargs):
+        t = real_empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(255)
+
+    monkeypatch.setattr(torch, "empty", dirty)
+    kv = make_cache(fp8=fp8)
+    seq = Sequence()
+    fill(kv, seq, list(range(20)), seed=1)           # 20 of 8 blocks' 128 rows written
+    written = contents(kv, seq)
+    for step in (lambda: kv._grow(24), lambda: kv.place_layer(1, False), lambda: kv.place_layer(1, True)):
+        step()
+        for pool in kv.pools:
+            for part in pool.parts:
+                rows = part.reshape(part.shape[0] * part.shape[1], -1)
+                used = set(seq.block_table)
+                free = [b for b in range(part.shape[0]) if b not in used]
+                assert not rows.isnan().any()
+                assert (part[free] == 0).all()
+        assert same(contents(kv, seq), written)
