@@ -29,6 +29,13 @@
 #define MAX_THREADS 256
 #define ROWS 4      /* output rows computed together (one activation load feeds four weight rows) */
 #define MTILE 4     /* tokens computed together */
+/* Rows of fewer elements than this prefetch the next row block's same columns as they go: on a MoE
+ * expert's matrices (2048 and 768 elements a row, 3-6 MB each) the hardware prefetcher retrains at every
+ * block of ROWS short rows. On two cores here a 768-element matrix read 13-15 GB/s at one row without it
+ * and 20-21 with it, and a Qwen3-30B-A3B layer's 8 routed experts took 3.7-4.4 ms without and 3.2-3.6
+ * with; 4096-element rows showed no gain (engine.bench.cpu_matmul, engine.bench.moe_cpu_experts,
+ * docs/benchmarks/README.md, session 9). */
+#define SHORT_ROW 4096
 
 /* ---- scalar conversions ------------------------------------------------------------------------- */
 static inline float bf16_to_f32(uint16_t h) {
@@ -149,6 +156,7 @@ dots_avx512_impl(int dtype, const void *x, const void *w, int64_t K, const int n
         for (int t = 0; t < nt; t++) xv[t] = load16(dtype, (const char *)x + (size_t)t * K * es, k, m);
         for (int r = 0; r < nr; r++) {
             __m512 wv = load16(dtype, wb + (size_t)r * K * es, k, m);
+            if (K < SHORT_ROW) _mm_prefetch(wb + ((size_t)(r + ROWS) * K + k) * es, _MM_HINT_T0);
             for (int t = 0; t < nt; t++) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
         }
     }
@@ -174,6 +182,7 @@ dots_bf16_dp_impl(const void *x, const void *w, int64_t K, const int nr, const i
             xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)x + (size_t)t * K + k);
         for (int r = 0; r < nr; r++) {
             __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(m, wb + (size_t)r * K + k);
+            if (K < SHORT_ROW) _mm_prefetch((const char *)(wb + (size_t)(r + ROWS) * K + k), _MM_HINT_T0);
             for (int t = 0; t < nt; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv[t], wv);
         }
     }
