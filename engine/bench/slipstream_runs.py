@@ -133,6 +133,7 @@ def measure_budget(eng, budget: int, runs: int, poll: VramPoller) -> dict:
     if hasattr(eng, "submit"):          # continuous batching: B streams submitted at once
         from engine.bench.batch_throughput import run_streams
 
+        run_streams(eng, max(BATCHES), DECODE_PROMPT, 4, seed=97)   # warm-up: the batch tiers' first plans
         for b in BATCHES:
             r = run_streams(eng, b, DECODE_PROMPT, BATCH_NEW_TOKENS, seed=b)
             out[f"decode_batch{b}_tps"] = r["decode_aggregate_tokens_per_s"]

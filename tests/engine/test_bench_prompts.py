@@ -58,5 +58,8 @@ def test_suite_prefills_share_no_cached_prefix_across_lengths_or_budgets():
         eng.close()
     assert [r["prefill_prefix_hit_tokens"] for r in rows] == [0, 0]
     assert again >= 256
+    for r in rows:          # the batched rows: the decode figure (after every prompt) and the wall-time one
+        for b in (4, 16):
+            assert r[f"decode_batch{b}_tps"] > 0 and r[f"decode_batch{b}_wall_tps"] > 0
     assert not _prompt(4096, 0, "a").startswith(_prompt(512, 0, "a"))
     assert _prompt(512, 0, "a") != _prompt(512, 0, "b")
