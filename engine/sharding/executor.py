@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from engine.config import ModelConfig, weight_names
 from engine.models import dense, moe
 from engine.models.rope import RotaryTable
+from engine.sharding import graphs
 from engine.sharding.device import Accelerator
 from engine.sharding.kvcache import BLOCK_SIZE, PagedKVCache, Sequence
 from engine.sharding.memory import HEAD_ROWS_MAX as HEAD_ROWS
@@ -106,8 +107,6 @@ class Executor:
         self.order = list(groups)                   # embed, layers.0.attn, layers.0.ffn, ..., head
         self.kv = PagedKVCache(cfg, dtype, accel, fp8=kv_fp8)
         self.rope = RotaryTable(cfg)
-        from engine.sharding import graphs
-
         # one-token GPU work replayed from CUDA graphs (see graphs.py); None off CUDA or when turned off
         self.graphs = (graphs.OneTokenGraphs(accel)
                        if accel is not None and accel.kind == "cuda" and graphs.enabled() else None)
@@ -576,7 +575,8 @@ class Executor:
         cos, sin = cos_sin
         pool = self.kv.pools[layer]
         if (self.graphs is not None and self.graphs.applies(x) and self.graph_attention and len(segs) == 1
-                and segs[0].n == 1 and not host_kv and pool.on_gpu and not pool.fp8):
+                and segs[0].n == 1 and not host_kv and pool.on_gpu and not pool.fp8
+                and graphs.fits_padded_context(segs[0].start + 1, pool.block_bytes() // BLOCK_SIZE)):
             return self._attention_captured(w, x, segs[0], pool, cos, sin)
         if self.graphs is not None and self.graphs.applies(x):
             cs = self.graphs.rope(cos, sin)

@@ -75,6 +75,13 @@ def padded_context(length: int) -> int:
     return max(MIN_CONTEXT, 1 << (length - 1).bit_length())
 
 
+def fits_padded_context(length: int, kv_bytes_per_token: int) -> bool:
+    """Whether a captured decode attention over `length` positions gathers its padded context within a
+    quarter of the reserve (longer contexts take the paged path: their gather would outgrow the graphs'
+    memory and send every graph of the plan back to eager work)."""
+    return padded_context(length) * kv_bytes_per_token <= RESERVE // 4
+
+
 def reserve_for(room: int, accel) -> int:
     """Bytes to keep out of the plans' budget for graphs when `room` is bookable on `accel`."""
     if accel is None or accel.kind != "cuda" or not enabled() or room < MIN_ROOM:

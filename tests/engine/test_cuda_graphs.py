@@ -316,3 +316,11 @@ def test_captured_decode_attention_gives_the_tokens_of_the_paged_path_on_cuda(ti
         assert replays > 0
     assert tokens["1"] == tokens["0"]
     assert "attnkv" in kinds["1"] and "attnkv" not in kinds["0"]
+
+
+def test_long_contexts_take_the_paged_path():
+    """A padded context whose gather would take more than a quarter of the graphs' reserve is not captured
+    (Llama-3-8B's layer holds 4 KiB of keys and values per token: up to 4096 positions)."""
+    per_token = 2 * 8 * 128 * 2
+    assert graphs.fits_padded_context(4096, per_token) and not graphs.fits_padded_context(4097, per_token)
+    assert graphs.fits_padded_context(8192, per_token // 2)
