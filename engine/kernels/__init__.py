@@ -220,19 +220,25 @@ def set_attention_enabled(flag: bool) -> bool:
 
 
 _amx: bool | None = None
+_max_rows: dict[torch.dtype, int] = {}      # per dtype, worked out once (every native matmul asks)
 
 
 def max_rows(dtype: torch.dtype) -> int:
     """The most rows a native matmul of `dtype` takes (SLIPSTREAM_NATIVE_MAX_ROWS overrides, for A/B runs)."""
     global _amx
-    env = os.environ.get("SLIPSTREAM_NATIVE_MAX_ROWS")
-    if env:
-        return int(env)
-    if dtype != torch.bfloat16:
-        return MAX_ROWS
-    if _amx is None:
-        _amx = " amx_bf16" in f" {_cpu_features()} "
-    return MAX_ROWS_AMX_BF16 if _amx else MAX_ROWS
+    rows = _max_rows.get(dtype)
+    if rows is None:
+        env = os.environ.get("SLIPSTREAM_NATIVE_MAX_ROWS")
+        if env:
+            rows = int(env)
+        elif dtype != torch.bfloat16:
+            rows = MAX_ROWS
+        else:
+            if _amx is None:
+                _amx = " amx_bf16" in f" {_cpu_features()} "
+            rows = MAX_ROWS_AMX_BF16 if _amx else MAX_ROWS
+        _max_rows[dtype] = rows
+    return rows
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, min_weights: int | None = None) -> bool:

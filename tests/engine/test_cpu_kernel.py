@@ -19,6 +19,7 @@ def _every_row_count(monkeypatch):
     """The kernel's arithmetic is tested up to its 16 rows in every dtype, also where the engine hands
     bf16 matmuls of more than 4 rows to PyTorch (CPUs with AMX; see `kernels.max_rows`)."""
     monkeypatch.setattr(kernels, "MAX_ROWS_AMX_BF16", kernels.MAX_ROWS)
+    monkeypatch.setattr(kernels, "_max_rows", {})
 
 
 def test_bf16_rows_go_to_pytorch_past_four_where_the_cpu_has_amx(monkeypatch):
@@ -26,10 +27,12 @@ def test_bf16_rows_go_to_pytorch_past_four_where_the_cpu_has_amx(monkeypatch):
     monkeypatch.delenv("SLIPSTREAM_NATIVE_MAX_ROWS", raising=False)
     for amx, want in ((True, kernels.MAX_ROWS_AMX_BF16), (False, kernels.MAX_ROWS)):
         monkeypatch.setattr(kernels, "_amx", amx)
+        monkeypatch.setattr(kernels, "_max_rows", {})
         assert kernels.max_rows(torch.bfloat16) == want
         assert kernels.max_rows(torch.float16) == kernels.max_rows(torch.float32) == kernels.MAX_ROWS
     assert kernels.MAX_ROWS_AMX_BF16 < kernels.MAX_ROWS
     monkeypatch.setattr(kernels, "_amx", True)
+    monkeypatch.setattr(kernels, "_max_rows", {})
     w = torch.randn(4096, 512).to(torch.bfloat16)
     for rows, native in ((4, True), (5, False), (16, False)):
         assert kernels.usable(torch.randn(rows, 512).to(torch.bfloat16), w, min_weights=0) is (
@@ -37,6 +40,7 @@ def test_bf16_rows_go_to_pytorch_past_four_where_the_cpu_has_amx(monkeypatch):
         assert (kernels.linear_many([torch.randn(rows, 512).to(torch.bfloat16)], [w], min_weights=0) is not None) is (
             native and kernels._load() is not None)
     monkeypatch.setenv("SLIPSTREAM_NATIVE_MAX_ROWS", "16")
+    monkeypatch.setattr(kernels, "_max_rows", {})
     assert kernels.max_rows(torch.bfloat16) == 16
 
 
