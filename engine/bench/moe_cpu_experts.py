@@ -11,12 +11,9 @@ machine, date) under --out.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -62,17 +59,15 @@ def main(argv=None) -> int:
     nbytes = k * 3 * h * inter * 2
     print(f"{args.shape}: router {router_ms:.3f} ms; {k} routed experts {experts_ms:.3f} ms "
           f"({nbytes / 1e6:.1f} MB at {nbytes / experts_ms / 1e6:.1f} GB/s); {kernels.status()}")
-    result = {"command": "python -m engine.bench.moe_cpu_experts " + " ".join(argv or sys.argv[1:]),
-              "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                          "torch": torch.__version__, "native": kernels.status()},
-              "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "shape": args.shape,
-              "router_ms": round(router_ms, 4), "experts_ms": round(experts_ms, 4),
-              "expert_bytes": nbytes, "experts_gbps": round(nbytes / experts_ms / 1e6, 2)}
     if args.out:
-        out = Path(args.out) / "moe_cpu_experts.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
-        print("wrote", out)
+        from engine.bench.gpu_common import write_report
+
+        path = write_report(Path(args.out), "moe_cpu_experts",
+                            {"threads": torch.get_num_threads(), "native": kernels.status(), "shape": args.shape,
+                             "router_ms": round(router_ms, 4), "experts_ms": round(experts_ms, 4),
+                             "expert_bytes": nbytes, "experts_gbps": round(nbytes / experts_ms / 1e6, 2)},
+                            "python -m engine.bench.moe_cpu_experts " + " ".join(argv or sys.argv[1:]))
+        print("wrote", path)
     return 0
 
 
