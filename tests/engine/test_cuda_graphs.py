@@ -34,6 +34,24 @@ class Books:
         self.used -= n
 
 
+def _open_on_the_cpu_plan(monkeypatch) -> None:
+    """Engines open with every sub-layer on the CPU; each test then forces its own plan (`_force`)."""
+    from engine.backends.torch_engine import TorchEngine
+
+    def all_cpu(self, budget, kv_tokens=None):
+        return PlanSet(budget, [Plan(t, "manual", {s.name: Placement.CPU for s in self.spec.sublayers}, 0)
+                                for t in self.tiers])
+
+    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu)
+
+
+def _force(eng, placement: dict, n_slots: int) -> None:
+    """Every tier of `eng` runs `placement` from now on (re-planned at its budget)."""
+    planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), n_slots) for t in eng.tiers])
+    eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
+    eng.set_vram_budget(eng.budget)
+
+
 def test_no_graphs_off_cuda(tiny_model):
     eng = engine.open_model(tiny_model("llama"), device="sim", backend="torch")
     try:
@@ -122,13 +140,7 @@ def test_no_room_for_the_reserve_runs_eagerly():
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("arch", ["llama3", "qwen3", "qwen3_moe"])
 def test_generation_with_graphs_matches_without(tiny_model, monkeypatch, seed, arch):
-    from engine.backends.torch_engine import TorchEngine
-
-    def all_cpu(self, budget, kv_tokens=None):          # opened on the CPU; the test forces its plan
-        return PlanSet(budget, [Plan(t, "manual", {s.name: Placement.CPU for s in self.spec.sublayers}, 0)
-                                for t in self.tiers])
-
-    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu)
+    _open_on_the_cpu_plan(monkeypatch)
     path = tiny_model(arch)
     tokens, replays = {}, {}
     for flag in ("1", "0"):
@@ -138,9 +150,7 @@ def test_generation_with_graphs_matches_without(tiny_model, monkeypatch, seed, a
         names = [s.name for s in eng.spec.sublayers]
         placement = {n: (rng.choice([Placement.RESIDENT, Placement.STREAMED]) if n.endswith((".ffn", ".attn"))
                          else rng.choice(list(Placement))) for n in names}
-        planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), 2) for t in eng.tiers])
-        eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
-        eng.set_vram_budget(eng.budget)
+        _force(eng, placement, 2)
         tokens[flag] = [e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=24)]
         g = eng.executor.graphs
         replays[flag] = None if g is None else g.replays
@@ -186,13 +196,7 @@ def test_moe_layers_held_in_vram_run_whole_without_host_waits(tiny_model, monkey
     """A one-token step runs a MoE layer whose router and groups are all resident as one GPU call (from a
     graph where graphs are on): the same greedy tokens as the router and groups one by one; a layer with
     a group elsewhere takes the general path."""
-    from engine.backends.torch_engine import TorchEngine
-
-    def all_cpu(self, budget, kv_tokens=None):
-        return PlanSet(budget, [Plan(t, "manual", {s.name: Placement.CPU for s in self.spec.sublayers}, 0)
-                                for t in self.tiers])
-
-    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu)
+    _open_on_the_cpu_plan(monkeypatch)
     path = tiny_model(arch)
     tokens, calls = {}, {}
     for flag, whole in (("1", True), ("1", False), ("0", True)):
@@ -200,9 +204,7 @@ def test_moe_layers_held_in_vram_run_whole_without_host_waits(tiny_model, monkey
         eng = engine.open_model(path, device="cuda", backend="torch", vram_budget="3GiB", speculative=False)
         placement = {s.name: Placement.RESIDENT for s in eng.spec.sublayers}
         placement["layers.1.experts.0"] = Placement.STREAMED        # layer 1: the general path
-        planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), 1) for t in eng.tiers])
-        eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
-        eng.set_vram_budget(eng.budget)
+        _force(eng, placement, 1)
         ex = eng.executor
         ex.fused_moe = whole
         seen = []
@@ -255,9 +257,7 @@ def test_a_decode_attention_over_a_padded_context_matches_the_paged_path(tiny_mo
         eng = engine.open_model(path, device="sim", backend="torch", vram_budget="1GiB", speculative=False)
         placement = {s.name: (Placement.RESIDENT if s.name.endswith(".attn") else Placement.CPU)
                      for s in eng.spec.sublayers}
-        planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), 0) for t in eng.tiers])
-        eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
-        eng.set_vram_budget(eng.budget)
+        _force(eng, placement, 0)
         ex = eng.executor
         ex.graphs, ex.graph_attention = _EagerGraphs(), captured
         # blocks handed out of order: a first request leaves holes in the pool
@@ -289,13 +289,7 @@ def test_the_padded_context_grows_by_powers_of_two_and_drops_the_last_ones_graph
 def test_captured_decode_attention_gives_the_tokens_of_the_paged_path_on_cuda(tiny_model, monkeypatch, arch):
     """SLIPSTREAM_GRAPH_ATTENTION=1 on the GPU: each one-token attention replays whole from a graph (cache
     write and padded context included), across the padded context's growth; the same tokens as without."""
-    from engine.backends.torch_engine import TorchEngine
-
-    def all_cpu(self, budget, kv_tokens=None):
-        return PlanSet(budget, [Plan(t, "manual", {s.name: Placement.CPU for s in self.spec.sublayers}, 0)
-                                for t in self.tiers])
-
-    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu)
+    _open_on_the_cpu_plan(monkeypatch)
     monkeypatch.setattr(graphs, "MIN_CONTEXT", 16)
     path = tiny_model(arch)
     tokens, kinds = {}, {}
@@ -305,9 +299,7 @@ def test_captured_decode_attention_gives_the_tokens_of_the_paged_path_on_cuda(ti
         rng = random.Random(5)
         placement = {s.name: (rng.choice([Placement.RESIDENT, Placement.STREAMED]) if s.name.endswith(".attn")
                               else rng.choice(list(Placement))) for s in eng.spec.sublayers}
-        planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), 2) for t in eng.tiers])
-        eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
-        eng.set_vram_budget(eng.budget)
+        _force(eng, placement, 2)
         tokens[flag] = [[e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=40, **kw)]
                         for kw in ({}, {"temperature": 0.9, "seed": 3})]
         kinds[flag] = {k[0] for k in eng.executor.graphs._graphs}
