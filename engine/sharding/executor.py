@@ -553,7 +553,7 @@ class Executor:
                 if out is not None:
                     return out
                 keys, values = self.kv.read(layer, s.seq, s.start + s.n)
-                return dense._attend(q, keys, values, s.masks[dev], gqa)
+                return self._attend_one(layer, q, keys, values, s, gqa)
             out = torch.empty_like(q)
             if decode is not None and self.kv.attend_decode(layer, [(s.seq, s.start + 1) for s in decode.segs], q,
                                                             [s.row for s in decode.segs], out) is None:
@@ -576,7 +576,7 @@ class Executor:
         pool = self.kv.pools[layer]
         if (self.graphs is not None and self.graphs.applies(x) and self.graph_attention and len(segs) == 1
                 and segs[0].n == 1 and not host_kv and pool.on_gpu and not pool.fp8
-                and graphs.fits_padded_context(segs[0].start + 1, pool.block_bytes() // BLOCK_SIZE)):
+                and graphs.fits_padded_context(segs[0].start + 1, self._kv_token_bytes(layer))):
             return self._attention_captured(w, x, segs[0], pool, cos, sin)
         if self.graphs is not None and self.graphs.applies(x):
             cs = self.graphs.rope(cos, sin)
@@ -630,9 +630,22 @@ class Executor:
             if s.start:
                 past_k, past_v = self.kv.read_to(layer, s.seq, s.start, q.device)
                 keys, values = torch.cat([past_k, keys], 1), torch.cat([past_v, values], 1)
-            out[:, s.row:s.row + s.n] = dense._attend(q[:, s.row:s.row + s.n], keys, values,
-                                                      s.masks[q.device], gqa)
+            out[:, s.row:s.row + s.n] = self._attend_one(layer, q[:, s.row:s.row + s.n], keys, values, s, gqa)
         return out
+
+    def _attend_one(self, layer: int, q, keys, values, s: _Segment, gqa: bool) -> torch.Tensor:
+        """Segment `s`'s attention over its whole context in `keys`/`values`. A one-token step on the GPU
+        whose context a captured attention would cover takes that graph's kernel (`dense.attend_one_token`
+        under a mask, which gives the same bits over the exact context as over the padded one): the
+        token comes out the same whether this plan captures its attention or not, keeps its KV in VRAM or
+        in host memory."""
+        if s.n == 1 and q.is_cuda and graphs.fits_padded_context(s.start + 1, self._kv_token_bytes(layer)):
+            return dense.attend_one_token(q, keys, values,
+                                          graphs.visible(s.start + 1, s.start, self.cfg.sliding_window, q.device))
+        return dense._attend(q, keys, values, s.masks[q.device], gqa)
+
+    def _kv_token_bytes(self, layer: int) -> int:
+        return self.kv.pools[layer].block_bytes() // BLOCK_SIZE
 
     def _move(self, x: torch.Tensor, to_gpu: bool) -> torch.Tensor:
         if self.accel is None or self.accel.kind == "sim":

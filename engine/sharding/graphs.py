@@ -53,7 +53,8 @@ from engine.sharding.kvcache import BLOCK_SIZE
 
 RESERVE = 64 << 20        # VRAM kept for the pool (a few MB) and the capture stream's cuBLAS workspace
 MIN_ROOM = 16 * RESERVE   # no graphs in smaller budgets: the reserve would cost more weights than it saves
-MAX_GRAPHS = 160          # per plan: one per resident sub-layer of a kind plus one per slot
+MAX_GRAPHS = 384          # per plan: one per resident sub-layer of a kind plus one per slot, and a layer's
+                          # captured attention for each padded context met
 
 
 def enabled() -> bool:
@@ -66,8 +67,8 @@ MIN_CONTEXT = 256         # the smallest padded context of a captured decode att
 
 def attention_enabled() -> bool:
     """Whether a one-token attention is captured whole, its cache write and attention over a padded
-    context included (`SLIPSTREAM_GRAPH_ATTENTION=1`; off until it has run on the GPU machine)."""
-    return os.environ.get("SLIPSTREAM_GRAPH_ATTENTION", "0").lower() in ("1", "on", "true", "yes")
+    context included: on unless SLIPSTREAM_GRAPH_ATTENTION is 0 (or off, false, no)."""
+    return os.environ.get("SLIPSTREAM_GRAPH_ATTENTION", "1").lower() not in ("0", "off", "false", "no")
 
 
 def padded_context(length: int) -> int:
@@ -80,6 +81,16 @@ def fits_padded_context(length: int, kv_bytes_per_token: int) -> bool:
     quarter of the reserve (longer contexts take the paged path: their gather would outgrow the graphs'
     memory and send every graph of the plan back to eager work)."""
     return padded_context(length) * kv_bytes_per_token <= RESERVE // 4
+
+
+def visible(length: int, start: int, window: int | None, device=None) -> torch.Tensor:
+    """Which of `length` cache positions a new token at position `start` sees (bool [length]): those up to
+    its own, and within `window` where one is set."""
+    pos = torch.arange(length, device=device)
+    seen = pos <= start
+    if window is not None:
+        seen &= pos > start - window
+    return seen
 
 
 def reserve_for(room: int, accel) -> int:
@@ -106,8 +117,8 @@ class OneTokenGraphs:
         self._no_room = False
         self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rope_src: tuple | None = None
-        self._kv_index: tuple[int, torch.Tensor, torch.Tensor] | None = None   # (context, rows, valid)
-        self._kv_src: tuple | None = None
+        self._kv_index: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # padded context: (rows, valid)
+        self._kv_src: dict[int, tuple] = {}
         self.booked = 0
         self.error: str | None = None
         self._base = 0
@@ -138,28 +149,25 @@ class OneTokenGraphs:
         whose cache blocks are `blocks`: its pool row [1], the blocks of the padded context
         (`padded_context`; past the sequence's own blocks, its first block again) and which of those
         positions the token sees (bool [context]: before it, and within `window`). Refreshed once per step
-        (every layer shares them); a new context size drops the graphs that read the last one's."""
+        (every layer shares them). Each padded context keeps its own buffers, and so its graphs, until the
+        plan changes: a new conversation starts small again and finds them. (No graph is dropped on its
+        own: the last graph of a private pool dropped, the next capture into it fails in the allocator.)"""
         length = start + 1
         ctx = padded_context(length)
         n_blocks = ctx // BLOCK_SIZE
-        if self._kv_index is None or self._kv_index[0] != ctx:
-            self._graphs = {k: g for k, g in self._graphs.items() if k[0] != "attnkv"}
-            self._kv_index = (ctx, torch.empty(1 + n_blocks, dtype=torch.long, device=device),
-                              torch.empty(ctx, dtype=torch.bool, device=device))
-            self._kv_src = None
-        _, rows, valid = self._kv_index
+        bufs = self._kv_index.get(ctx)
+        if bufs is None:
+            bufs = self._kv_index[ctx] = (torch.empty(1 + n_blocks, dtype=torch.long, device=device),
+                                          torch.empty(ctx, dtype=torch.bool, device=device))
+        rows, valid = bufs
         used = blocks[:-(-length // BLOCK_SIZE)]
-        src = (start, tuple(used), window)
-        if src != self._kv_src:
+        src = (ctx, start, tuple(used), window)
+        if src != self._kv_src.get(ctx):
             table = used + [used[0]] * (n_blocks - len(used))
             slot = used[start // BLOCK_SIZE] * BLOCK_SIZE + start % BLOCK_SIZE
             rows.copy_(torch.tensor([slot, *table], dtype=torch.long))
-            pos = torch.arange(ctx)
-            seen = pos <= start
-            if window is not None:
-                seen &= pos > start - window
-            valid.copy_(seen)
-            self._kv_src = src
+            valid.copy_(visible(ctx, start, window))
+            self._kv_src[ctx] = src
         return rows[:1], rows[1:], valid
 
     def run(self, kind: str, fn: Callable, w: dict[str, torch.Tensor], x: torch.Tensor):
@@ -239,7 +247,7 @@ class OneTokenGraphs:
         self._pool, self._stream = None, None
         self._no_room = False
         self._rope, self._rope_src = None, None
-        self._kv_index, self._kv_src = None, None
+        self._kv_index, self._kv_src = {}, {}
         if had_pool:
             torch.cuda.synchronize()
             clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
