@@ -252,46 +252,49 @@ def _experts_decode(parts, s: MoeState) -> bool | None:
     return True
 
 
-def layer_one_token(cfg: ModelConfig, router_w: dict[str, torch.Tensor],
-                    groups: list[tuple[dict[str, torch.Tensor], range]], x: torch.Tensor) -> torch.Tensor:
-    """A whole MoE layer (router, every expert group, the residual add) for one token whose experts are
-    all in one place, with no value read back to the host: a GPU decode step queues it without waiting
-    for the router (the general path reads the per-expert counts back first), and the graphs can capture
-    it.
+FEW_TOKENS = 16   # a MoE layer held in one place runs whole (`layer_few_tokens`) for steps of up to this many
 
-    Each group runs all of its experts over the token (batched matmuls over the group's stacked gate/up
-    and down weights) and keeps the rows of the experts routed to it;
-    the k outputs are then added to a zero sum in ascending expert order, one rounding each, as the
-    general path adds them. Reading a whole group costs VRAM bandwidth (1.2 GB per Qwen3-30B-A3B layer,
-    about 0.3 ms on an H200), where the general path's router and per-expert launches behind a host wait
-    took 1.1-2.0 ms of host time per layer; this one 0.53-0.58 (session 9, call J)."""
+
+def layer_few_tokens(cfg: ModelConfig, router_w: dict[str, torch.Tensor],
+                     groups: list[tuple[dict[str, torch.Tensor], range]], x: torch.Tensor) -> torch.Tensor:
+    """A whole MoE layer (router, every expert group, the residual add) for a step of a few tokens
+    (x [t, hidden], t up to `FEW_TOKENS`) whose experts are all in one place, with no value read back to the
+    host: a GPU step queues it without waiting for the router (the general path reads the per-expert
+    counts back first, then launches each routed expert's kernels), and the graphs can capture it.
+
+    Each group runs all of its experts over the step's tokens (batched matmuls over the group's stacked
+    gate/up and down weights, the tokens as columns) and keeps each token's rows of the experts routed to
+    it; each token's k outputs are then added to a zero sum in ascending expert order, one rounding each,
+    as the general path adds a token's. Reading a whole group costs VRAM bandwidth at any token count (1.2
+    GB per Qwen3-30B-A3B layer, about 0.3 ms on an H200): a decode step's general path took 1.1-2.0 ms of
+    host time per layer, this one 0.53-0.58 (session 9, call J); a batch of 16 touches about 80 of the 128
+    experts, each with its own launches, on the general path."""
     h = rms_norm(x, router_w["ffn_norm.weight"], cfg.rms_norm_eps)
     router = router_w["router.weight"]
     top_w, top_i = route(cfg, linear(h.to(router.dtype), router), h.dtype)
-    ids, order = torch.sort(top_i[0])                     # the k routed experts, ascending
-    weights = top_w[0, order]
-    k = ids.shape[0]
-    ys = torch.zeros(k, h.shape[1], dtype=h.dtype, device=h.device)
+    ids, order = torch.sort(top_i, dim=1)                  # each token's k routed experts, ascending
+    weights = top_w.gather(1, order)
+    t, k = ids.shape
+    tokens = torch.arange(t, device=h.device).unsqueeze(1)
+    ys = torch.zeros(t, k, h.shape[1], dtype=h.dtype, device=h.device)
     for w, experts in groups:
         n = len(experts)
         local = ids - experts.start
-        inside = ((local >= 0) & (local < n)).unsqueeze(1)
+        inside = ((local >= 0) & (local < n)).unsqueeze(2)
         pick = local.clamp(0, n - 1)
         # (batched matmuls over the stacked views as they are: a group's buffer holds each expert's
         # gate, up and down together, so a stack is not one matrix, and reshaping it would copy it)
-        hs = h.reshape(1, -1, 1).expand(n, -1, 1)
+        hs = h.t().unsqueeze(0).expand(n, -1, -1)                                 # [n, hidden, t]
         gate_up = w.get("experts.gate_up.weight")
         if gate_up is not None:
-            gate, up = torch.bmm(gate_up, hs).squeeze(-1).chunk(2, dim=-1)
+            gate, up = torch.bmm(gate_up, hs).chunk(2, dim=1)
         else:
-            gate = torch.bmm(w["experts.gate.weight"], hs).squeeze(-1)
-            up = torch.bmm(w["experts.up.weight"], hs).squeeze(-1)
-        act = F.silu(gate) * up                                                   # [n, intermediate]
-        y = torch.bmm(w["experts.down.weight"], act.unsqueeze(-1)).squeeze(-1)    # [n, hidden]
-        ys = torch.where(inside, y[pick], ys)
+            gate, up = torch.bmm(w["experts.gate.weight"], hs), torch.bmm(w["experts.up.weight"], hs)
+        y = torch.bmm(w["experts.down.weight"], F.silu(gate) * up)                # [n, hidden, t]
+        ys = torch.where(inside, y.permute(2, 0, 1)[tokens, pick], ys)            # [t, k, hidden]
     out = torch.zeros_like(h)
     for r in range(k):
-        out.addcmul_(ys[r:r + 1], weights[r:r + 1, None])
+        out.addcmul_(ys[:, r], weights[:, r:r + 1])
     return x + out
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.models.moe import FEW_TOKENS
 from engine.sharding.memory import sublayer_bytes
 from engine.sharding.pipeline import CPU, HKV, RES, STR, Pipeline
 from engine.sharding.plan import Placement
@@ -56,6 +57,13 @@ NATIVE_CALLS = {"embed": 0, "attn": 4, "ffn": 3, "head": 2, "router": 2, "expert
 NATIVE_CALLS_EXPERTS_PER_LAYER = 3      # a layer's CPU expert groups run together: gate/up, down, sum
 OPS_PER_EXPERT = 7     # kernels per touched expert (gather, gate/up, silu, mul, down, scale, index_add)
 OPS_PER_EXPERT_SINGLE = 5   # in a one-token step (gate/up, silu, mul, down, multiply-add)
+# A resident expert group in a step of 2 to moe.FEW_TOKENS tokens runs inside its layer's one call
+# (`moe.layer_few_tokens`): all of its experts over the tokens, in this many kernels (the routing masks,
+# two batched matmuls, silu and mul, the pick of each token's rows), with no per-expert launches. (A
+# one-token step does too, from a graph where graphs are on; the per-expert price stays there, between
+# the graph's and the eager call's.) Only a layer whose router and groups are all resident takes that
+# call; the family's resident prefix leaves at most one layer partly resident, priced as if whole.
+OPS_ONE_CALL_GROUP = 12
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,9 @@ class StepCosts:
     # for the step's context in and the new ones out, alone and beside CPU work, per sub-layer [S]
     kv_copy_alone_ms: np.ndarray | None = None
     kv_copy_busy_ms: np.ndarray | None = None
+    # GPU milliseconds of each sub-layer where it is resident, if that differs from `gpu_ms` for any
+    # (resident expert groups in steps of a few tokens: `OPS_ONE_CALL_GROUP`); None = as `gpu_ms`
+    gpu_res_ms: np.ndarray | None = None
 
 
 def dtype_name(spec: ModelSpec) -> str:
@@ -105,6 +116,7 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
     expert_calls = NATIVE_CALLS_EXPERTS_PER_LAYER / len(cfg.expert_groups()) if cfg.is_moe else 0.0
     sides = ("cpu", "gpu") if prof.has_gpu else ("cpu",)
     ms = {side: np.zeros(len(spec.sublayers)) for side in ("cpu", "gpu")}
+    res = {}                    # sub-layer -> its GPU milliseconds where resident, where that differs
     for i, sub in enumerate(spec.sublayers):
         for side in sides:
             if sub.kind == "embed":
@@ -130,6 +142,14 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
                          else NATIVE_CALLS[sub.kind] + (1 if sub.kind == "attn" and cfg.qk_norm else 0))
                 issue += calls * prof.native_call_ms
             ms[side][i] = t + issue if side == "cpu" else max(t, issue)
+            if side == "gpu" and sub.kind == "experts" and 1 < n <= FEW_TOKENS:
+                # (never above the general path's price, which a streamed group pays: more VRAM must not
+                # predict worse; the two differ by a few launches where few experts are routed)
+                one_call = max(sub.n_experts * prof.gemm_ms(side, dt, "ffn", 6 * cfg.hidden_size
+                                                            * cfg.moe_intermediate_size, n),
+                               prof.op_ms(side, OPS["gpu"]["experts"] + OPS_ONE_CALL_GROUP))
+                if one_call < ms[side][i]:
+                    res[i] = one_call
     if not prof.has_gpu:   # any GPU placement costs infinity (crossings stay finite: 0 x inf is nan)
         ms["gpu"][:] = np.inf
         return StepCosts(ms["gpu"], ms["cpu"], np.zeros(len(spec.sublayers)), 0.0, 0.0)
@@ -150,8 +170,12 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
                         dtype=float)
     kv_alone = np.array([prof.copy_ms(b) if b else 0.0 for b in kv_bytes])
     kv_busy = np.array([prof.copy_ms(b, busy=True) if b else 0.0 for b in kv_bytes])
+    gpu_res = None
+    if res:
+        gpu_res = ms["gpu"].copy()
+        gpu_res[list(res)] = list(res.values())
     return StepCosts(ms["gpu"], ms["cpu"], to_gpu, to_cpu, prof.move_ms(rows * cfg.vocab_size * 4, False),
-                     prof.op_ms("gpu", 2), extra, *routed, kv_alone, kv_busy)
+                     prof.op_ms("gpu", 2), extra, *routed, kv_alone, kv_busy, gpu_res)
 
 
 def routed_copies(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int):

@@ -7,7 +7,7 @@ cross between CPU and GPU only where consecutive sub-layers sit on different sid
 layer lives where that layer's attention runs. In a mixture-of-experts layer the router (`ffn`) and each
 expert group run where each is placed, the `MoeState` between them crossing sides like the hidden state;
 a one-token step on the GPU runs a layer whose router and groups are all resident as one call that reads
-nothing back to the host (`moe.layer_one_token`, from a CUDA graph where graphs are on).
+nothing back to the host (`moe.layer_few_tokens`, from a CUDA graph where graphs are on).
 
 Routed expert streaming: in steps that touch few experts (`spec.routed_streaming`: decode, short steps) a
 streamed expert group is not copied whole ahead of time. Its load waits in a queue until its layer's
@@ -127,7 +127,8 @@ class Executor:
         self._moe_layer: dict[str, int] = {}         # MoE sub-layer -> its layer
         self._later_groups: dict[str, list[str]] = {}   # expert group -> the groups after it in its layer
         self._later_groups_of_router: dict[str, list[str]] = {}   # router -> its layer's groups
-        # A one-token step runs a MoE layer held in VRAM whole as one GPU call (`moe.layer_one_token`);
+        # A step of up to moe.FEW_TOKENS tokens runs a MoE layer held in VRAM whole as one GPU call
+        # (`moe.layer_few_tokens`);
         # False (or SLIPSTREAM_MOE_LAYER_CALL=0, for A/B runs): the router and the groups one by one
         self.fused_moe = os.environ.get("SLIPSTREAM_MOE_LAYER_CALL", "1") != "0"
         # a one-token attention captured whole, cache write included (see graphs.attention_enabled)
@@ -478,8 +479,9 @@ class Executor:
 
     def _layer_in_vram(self, name: str, x: torch.Tensor) -> list[str] | None:
         """The expert groups of router `name`'s layer where the whole layer can run as one GPU call for
-        this one-token step (`moe.layer_one_token`): the router and every group resident; else None."""
-        if not (self.fused_moe and self.moe_steps.get(name, 0) is None and x.is_cuda and x.shape[0] == 1):
+        this step of a few tokens (`moe.layer_few_tokens`): the router and every group resident; else None."""
+        if not (self.fused_moe and self.moe_steps.get(name, 0) is None and x.shape[0] <= moe.FEW_TOKENS
+                and (x.is_cuda or (self.accel is not None and self.accel.kind == "sim"))):
             return None
         placement = self.plan.placement
         groups = self._later_groups_of_router[name]
@@ -489,19 +491,19 @@ class Executor:
         return groups
 
     def _moe_layer_on_gpu(self, name: str, w, groups: list[str], x: torch.Tensor, fused: set[str]):
-        """A MoE layer whose router and groups are all in VRAM, for one token, with no host wait (from a
-        CUDA graph where they are on)."""
+        """A MoE layer whose router and groups are all in VRAM, for a step of a few tokens, with no host
+        wait (a one-token step from a CUDA graph where they are on)."""
         parts = [(self.store.resident[g][1], self.moe_steps[g][0]) for g in groups]
         fused.update(groups)
-        if self.graphs is None:
-            return moe.layer_one_token(self.cfg, w, parts, x)
+        if self.graphs is None or not self.graphs.applies(x):
+            return moe.layer_few_tokens(self.cfg, w, parts, x)
         flat = {f"r.{k}": v for k, v in w.items()}
         for i, (wg, _) in enumerate(parts):
             flat.update({f"{i}.{k}": v for k, v in wg.items()})
         ranges = [experts for _, experts in parts]
 
         def run(f, x_):
-            return moe.layer_one_token(
+            return moe.layer_few_tokens(
                 self.cfg, {k[2:]: v for k, v in f.items() if k.startswith("r.")},
                 [({k.split(".", 1)[1]: v for k, v in f.items() if k.startswith(f"{i}.")}, r)
                  for i, r in enumerate(ranges)], x_)

@@ -5,7 +5,7 @@ are about 30 small kernels over weights already in VRAM, and the host takes 10-2
 H200 traces (session 8, the MoE shape at 4 GiB) show 0.5 ms of host time in them per attention, 24 per
 token, on the path of a step whose host is the bottleneck. A CUDA graph issues the same kernels in one
 launch; the same holds for a one-token FFN on the GPU, and for a MoE layer held in VRAM whole
-(`moe.layer_one_token`: router, every expert group and the residual add, with nothing read back).
+(`moe.layer_few_tokens`: router, every expert group and the residual add, with nothing read back).
 
 A graph is keyed by what it computes and the weights' addresses, shapes and strides: a streamed
 sub-layer's weights sit in a slot whose views have the same addresses for every layer the slot carries,

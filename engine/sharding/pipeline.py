@@ -65,6 +65,7 @@ class Pipeline:
         self.safe_nstr = np.maximum(n_str, 1)
         self.str_rows = [np.nonzero(is_str[i])[0] for i in range(S)]
         self.is_str = is_str
+        self.is_res = pt == RES
         self.uniform = [(bool(on_gpu[i].all()), not bool(on_gpu[i].any())) for i in range(S)]
 
     def _ctab(self, copy_alone: np.ndarray, copy_busy: np.ndarray) -> np.ndarray:
@@ -79,6 +80,7 @@ class Pipeline:
             ctab = self._ctab(costs.copy_alone_ms, costs.copy_busy_ms)
         if costs.kv_copy_alone_ms is not None and self.hkv.any():
             ctab = ctab + np.where(self.hkv.reshape(-1), self._ctab(costs.kv_copy_alone_ms, costs.kv_copy_busy_ms), 0.0)
+        gres = costs.gpu_res_ms
         gate = costs.copy_gate
         if gate is not None:
             # Per row's streamed no.: the router it waits for (-1: none); its end time per step.
@@ -138,13 +140,16 @@ class Pipeline:
                     gord = step * n_str[rows] + ordn[i, rows]
                     q = np.where(cycles[rows], gord, ordn[i, rows])
                     ready[rows] = np.maximum(ready[rows], cend[q * B + rows])
+                d_gpu = costs.gpu_ms[i]
+                if gres is not None and gres[i] != d_gpu:
+                    d_gpu = np.where(self.is_res[i], gres[i], d_gpu)
                 if all_gpu:
-                    e = ready + costs.gpu_ms[i]
+                    e = ready + d_gpu
                 else:
                     w = costs.cpu_ms[i]
                     busy = np.maximum(last - ready, 0.0)       # copies in flight from `ready` on
                     d_cpu = np.minimum(w / rho, w + w_busy * busy) if rho < 1 else w
-                    e = ready + d_cpu if all_cpu else ready + np.where(g, costs.gpu_ms[i], d_cpu)
+                    e = ready + d_cpu if all_cpu else ready + np.where(g, d_gpu, d_cpu)
                 pos += 1
                 if len(rows):
                     e[rows] += costs.stream_ms

@@ -14,7 +14,7 @@ import torch
 import engine
 from engine.config import ModelConfig
 from engine.errors import OutOfBudgetError
-from engine.models import dense
+from engine.models import dense, moe
 from engine.sharding import graphs
 from engine.sharding.plan import Placement, Plan, PlanSet
 
@@ -190,6 +190,43 @@ def test_graphs_that_outgrow_their_reserve_give_it_back_and_run_eagerly(monkeypa
     assert g.replays == 0 and "over their" in g.stats()["cuda_graph_error"] and books.used == 0
 
 
+def _layer_0_whole(path, device: str, whole: bool):
+    """An engine on `device` with every sub-layer resident but one expert group of layer 1 (which then
+    takes the general path), the one-call MoE layer on or off; and the list of (router, tokens) of each
+    one-call layer run."""
+    eng = engine.open_model(path, device=device, backend="torch", vram_budget="3GiB", speculative=False)
+    placement = {s.name: Placement.RESIDENT for s in eng.spec.sublayers}
+    placement["layers.1.experts.0"] = Placement.STREAMED
+    _force(eng, placement, 1)
+    ex = eng.executor
+    ex.fused_moe = whole
+    seen: list[tuple[str, int]] = []
+    real = ex._moe_layer_on_gpu
+    ex._moe_layer_on_gpu = lambda name, w, g, x, f: seen.append((name, x.shape[0])) or real(name, w, g, x, f)
+    return eng, seen
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_batched_steps_run_moe_layers_held_in_vram_whole(tiny_model, monkeypatch, arch):
+    """Steps of a few tokens (a batch of decoding streams) run a MoE layer whose router and groups are all
+    resident as one call too (sim device): the same tokens per stream as the router and groups one by
+    one; steps of more tokens (the prompts) and a layer with a group elsewhere take the general path."""
+    _open_on_the_cpu_plan(monkeypatch)
+    path = tiny_model(arch)
+    prompts = ["the quick brown fox", "one two three", "a b c d e f", " ".join(["hello there"] * 20)]
+    tokens, sizes = {}, {}
+    for whole in (True, False):
+        eng, seen = _layer_0_whole(path, "sim", whole)
+        handles = [eng.submit(p, max_new_tokens=12) for p in prompts]
+        tokens[whole] = [h.result().token_ids for h in handles]
+        sizes[whole] = seen
+        eng.close()
+    assert tokens[True] == tokens[False]
+    assert {name for name, _ in sizes[True]} == {"layers.0.ffn"} and not sizes[False]
+    counts = {n for _, n in sizes[True]}
+    assert len(prompts) in counts and max(counts) <= moe.FEW_TOKENS
+
+
 @cuda
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_moe_layers_held_in_vram_run_whole_without_host_waits(tiny_model, monkeypatch, arch):
@@ -201,19 +238,11 @@ def test_moe_layers_held_in_vram_run_whole_without_host_waits(tiny_model, monkey
     tokens, calls = {}, {}
     for flag, whole in (("1", True), ("1", False), ("0", True)):
         monkeypatch.setenv("SLIPSTREAM_CUDA_GRAPHS", flag)
-        eng = engine.open_model(path, device="cuda", backend="torch", vram_budget="3GiB", speculative=False)
-        placement = {s.name: Placement.RESIDENT for s in eng.spec.sublayers}
-        placement["layers.1.experts.0"] = Placement.STREAMED        # layer 1: the general path
-        _force(eng, placement, 1)
-        ex = eng.executor
-        ex.fused_moe = whole
-        seen = []
-        real = ex._moe_layer_on_gpu
-        ex._moe_layer_on_gpu = lambda name, *a, seen=seen, real=real: seen.append(name) or real(name, *a)
+        eng, seen = _layer_0_whole(path, "cuda", whole)
         tokens[(flag, whole)] = [e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=20)]
-        calls[(flag, whole)] = set(seen)
+        calls[(flag, whole)] = {name for name, _ in seen}
         if flag == "1" and whole:
-            assert any(k[0] == "moe" for k in ex.graphs._graphs)
+            assert any(k[0] == "moe" for k in eng.executor.graphs._graphs)
         eng.close()
     assert tokens[("1", True)] == tokens[("1", False)] == tokens[("0", True)]
     assert calls[("1", True)] == calls[("0", True)] == {"layers.0.ffn"} and not calls[("1", False)]

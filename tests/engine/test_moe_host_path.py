@@ -213,19 +213,20 @@ def _moe_layer(arch: str, dtype: torch.dtype, fused_gate_up: bool, seed: int, de
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fused_gate_up", [True, False])
-def test_one_token_layer_in_one_call_matches_the_general_path(device, arch, dtype, fused_gate_up):
-    """A MoE layer held in one place runs for one token with nothing read back to the host (every group's
-    experts over the token, the routed rows kept, summed in ascending expert order): the same output as
-    the router, the groups one by one and the residual add, to rounding, over tokens routed to one group
-    or spread over several."""
+@pytest.mark.parametrize("tokens", [1, 4, 16])
+def test_a_few_tokens_layer_in_one_call_matches_the_general_path(device, arch, dtype, fused_gate_up, tokens):
+    """A MoE layer held in one place runs for a step of a few tokens with nothing read back to the host
+    (every group's experts over the tokens, each token's routed rows kept, summed in ascending expert
+    order): the same output as the router, the groups one by one and the residual add, to rounding, over
+    tokens routed to one group or spread over several."""
     for seed in range(6):
         cfg, router, groups, g = _moe_layer(arch, dtype, fused_gate_up, seed, device)
-        x = torch.randn(1, 32, generator=g).to(dtype).to(device)
+        x = torch.randn(tokens, 32, generator=g).to(dtype).to(device)
         s = moe.router_block(cfg, router, x)
         for w, experts in groups:
             s = moe.experts_block(cfg, w, s, experts)
         want = moe.finish(s)
-        got = moe.layer_one_token(cfg, router, groups, x)
+        got = moe.layer_few_tokens(cfg, router, groups, x)
         assert got.dtype == want.dtype and got.shape == want.shape
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), (seed, (got - want).abs().max())

@@ -256,3 +256,32 @@ def test_a_tier_reserve_is_kept_from_that_tier_alone():
         assert a.placement == b.placement and a.vram.total == b.vram.total
     everywhere = planner.plan(room - reserve, kv_tokens=4096)
     assert everywhere.step_tokens < kept.step_tokens
+
+
+def test_batched_decode_tiers_keep_the_resident_experts_of_the_one_token_plan():
+    """A resident expert group in a step of a few tokens runs inside its layer's one call (all its experts
+    read once, no per-expert launches: `moe.layer_few_tokens`), and the estimator prices it so. On the H200
+    profile the batched decode tiers of the Qwen3-30B-A3B shape (24 layers) then keep every expert group
+    the one-token plan keeps in VRAM; priced per routed expert, they had put every group on the CPU."""
+    import dataclasses
+    from pathlib import Path
+
+    from engine.bench.shapes import get_shape
+    from engine.commands.plan import profile_from_file
+    from engine.sharding.estimator import step_costs
+
+    prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
+    spec = ModelSpec.from_config(dataclasses.replace(get_shape("qwen3-30b-a3b"), num_layers=24))
+    groups = [i for i, s in enumerate(spec.sublayers) if s.kind == "experts"]
+    for n in (4, 16):
+        costs = step_costs(spec, prof, n, 512)
+        assert (costs.gpu_res_ms[groups] < costs.gpu_ms[groups] / 2).all()
+    assert step_costs(spec, prof, 1, 512).gpu_res_ms is None
+    assert step_costs(spec, prof, 64, 512).gpu_res_ms is None
+    for budget in (4 << 30, 8 << 30):
+        ps = Planner(spec, prof).plan(budget, kv_tokens=4096)
+        one = {n for n, p in ps.for_tokens(1).placement.items() if ".experts." in n and p is Placement.RESIDENT}
+        assert len(one) >= 8
+        for tier in (4, 16):
+            plan = ps.for_tokens(tier)
+            assert one <= {n for n, p in plan.placement.items() if p is Placement.RESIDENT}, (budget, tier)
