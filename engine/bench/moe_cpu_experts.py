@@ -1,11 +1,15 @@
-"""One decode token's routed experts of a MoE layer on the CPU, as the engine runs them (router, then
+"""A decode step's routed experts of a MoE layer on the CPU, as the engine runs them (router, then
 `moe.experts_blocks` over all the layer's groups), on random weights of a named shape rotated through
-several layers so that every token reads its experts from DRAM.
+several layers so that every step reads its experts from DRAM; for one token and for batches.
 
-    python -m engine.bench.moe_cpu_experts [--shape qwen3-30b-a3b] [--layers 3] [--tokens 60] [--out DIR]
+    python -m engine.bench.moe_cpu_experts [--shape qwen3-30b-a3b] [--layers 3] [--tokens 60]
+                                           [--batches 1,4,16] [--out DIR]
 
-Prints the median milliseconds and GB/s of expert weights read, and writes moe_cpu_experts.json (command,
-machine, date) under --out.
+Prints, per batch size, the median milliseconds of the router and of the experts, the distinct experts
+the batch touched, the GB/s of their weights read, and the path they took (the native kernel over every
+routed expert in one call, or PyTorch expert by expert where one has more rows than `kernels.max_rows`);
+writes moe_cpu_experts.json (command, machine, date) under --out. The one-token row's fields stay at the
+top level, as earlier reports had them.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=3, help="layers of weights to rotate through")
-    ap.add_argument("--tokens", type=int, default=60)
+    ap.add_argument("--tokens", type=int, default=60, help="steps timed per batch size")
+    ap.add_argument("--batches", default="1", help="tokens per step, comma-separated (e.g. 1,4,16)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     cfg = get_shape(args.shape)
-    h, inter, e, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok
+    h, inter, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     g = torch.Generator().manual_seed(0)
     layers = []
     for _ in range(args.layers):   # each group's buffer packed expert by expert, as the weight store does
@@ -44,28 +49,41 @@ def main(argv=None) -> int:
         layers.append(parts)
     router = {"ffn_norm.weight": torch.ones(h, dtype=torch.bfloat16),
               "router.weight": (torch.randn(e, h, generator=g) * 0.02).to(torch.bfloat16)}
-    t_router, t_experts = [], []
-    for i in range(args.tokens):
-        x = torch.randn(1, h, generator=g).to(torch.bfloat16)
-        t0 = time.perf_counter()
-        s = moe.router_block(cfg, router, x)
-        t1 = time.perf_counter()
-        moe.experts_blocks(cfg, layers[i % args.layers], s)
-        t_router.append(t1 - t0)
-        t_experts.append(time.perf_counter() - t1)
-    skip = min(6, args.tokens // 4)
-    router_ms = statistics.median(t_router[skip:]) * 1e3
-    experts_ms = statistics.median(t_experts[skip:]) * 1e3
-    nbytes = k * 3 * h * inter * 2
-    print(f"{args.shape}: router {router_ms:.3f} ms; {k} routed experts {experts_ms:.3f} ms "
-          f"({nbytes / 1e6:.1f} MB at {nbytes / experts_ms / 1e6:.1f} GB/s); {kernels.status()}")
+    expert_bytes = 3 * h * inter * 2
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        t_router, t_experts, touched, widest = [], [], [], 0
+        for i in range(args.tokens):
+            x = torch.randn(batch, h, generator=g).to(torch.bfloat16)
+            t0 = time.perf_counter()
+            s = moe.router_block(cfg, router, x)
+            t1 = time.perf_counter()
+            moe.experts_blocks(cfg, layers[i % args.layers], s)
+            t_router.append(t1 - t0)
+            t_experts.append(time.perf_counter() - t1)
+            counts = [s.bounds[j + 1] - s.bounds[j] for j in range(e)]
+            touched.append(sum(c > 0 for c in counts))
+            widest = max(widest, max(counts))
+        skip = min(6, args.tokens // 4)
+        router_ms = statistics.median(t_router[skip:]) * 1e3
+        experts_ms = statistics.median(t_experts[skip:]) * 1e3
+        nbytes = statistics.median(touched) * expert_bytes
+        path = ("native" if widest <= kernels.max_rows(torch.bfloat16)
+                else "PyTorch expert by expert: one had more rows than max_rows")
+        rows.append({"batch": batch, "router_ms": round(router_ms, 4), "experts_ms": round(experts_ms, 4),
+                     "touched_experts": statistics.median(touched), "most_rows_per_expert": widest,
+                     "expert_bytes": int(nbytes), "experts_gbps": round(nbytes / experts_ms / 1e6, 2), "path": path})
+        print(f"{args.shape} batch {batch}: router {router_ms:.3f} ms; {statistics.median(touched):g} experts "
+              f"touched {experts_ms:.3f} ms ({nbytes / 1e6:.1f} MB at {nbytes / experts_ms / 1e6:.1f} GB/s; "
+              f"up to {widest} rows per expert: {path}); {kernels.status()}", flush=True)
     if args.out:
         from engine.bench.gpu_common import write_report
 
+        one = next((r for r in rows if r["batch"] == 1), rows[0])
         path = write_report(Path(args.out), "moe_cpu_experts",
                             {"threads": torch.get_num_threads(), "native": kernels.status(), "shape": args.shape,
-                             "router_ms": round(router_ms, 4), "experts_ms": round(experts_ms, 4),
-                             "expert_bytes": nbytes, "experts_gbps": round(nbytes / experts_ms / 1e6, 2)},
+                             **{k: one[k] for k in ("router_ms", "experts_ms", "expert_bytes", "experts_gbps")},
+                             "batches": rows},
                             "python -m engine.bench.moe_cpu_experts " + " ".join(argv or sys.argv[1:]))
         print("wrote", path)
     return 0
