@@ -26,6 +26,7 @@ the step's context in, and the step's new ones out, on the copy engine.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +65,12 @@ OPS_PER_EXPERT_SINGLE = 5   # in a one-token step (gate/up, silu, mul, down, mul
 # the graph's and the eager call's.) Only a layer whose router and groups are all resident takes that
 # call; the family's resident prefix leaves at most one layer partly resident, priced as if whole.
 OPS_ONE_CALL_GROUP = 12
+# A GPU expert group in a step of more than moe.FEW_TOKENS tokens that copies whole groups runs in padded
+# runs of consecutive experts (`moe.experts_padded`): this many kernels per run (the index copy, the gathers,
+# two batched matmuls, silu, mul, the weights) and OPS_PADDED_EXPERT per routed expert (its index_add and
+# views); a run holds at most the step's token count of padded rows
+OPS_PADDED_RUN = 10
+OPS_PADDED_EXPERT = 2
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,10 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
     sides = ("cpu", "gpu") if prof.has_gpu else ("cpu",)
     ms = {side: np.zeros(len(spec.sublayers)) for side in ("cpu", "gpu")}
     res = {}                    # sub-layer -> its GPU milliseconds where resident, where that differs
+    padded = cfg.is_moe and n > FEW_TOKENS and not routed_streaming(cfg, n)
+    if padded:   # rows of an expert in a padded run: the widest expert's, about the mean + 3 sigma (Poisson)
+        mean = n * cfg.num_experts_per_tok / cfg.num_experts
+        padded_rows = min(n, mean + 3 * math.sqrt(mean) + 1)
     for i, sub in enumerate(spec.sublayers):
         for side in sides:
             if sub.kind == "embed":
@@ -130,11 +141,17 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
                 rows_per = n * cfg.num_experts_per_tok * sub.n_experts / cfg.num_experts / touched  # >= 1
                 t = touched * prof.gemm_ms(side, dt, "ffn", 6 * cfg.hidden_size * cfg.moe_intermediate_size,
                                            rows_per)
+                if side == "gpu" and padded:
+                    t = sub.n_experts * prof.gemm_ms(side, dt, "ffn", 6 * cfg.hidden_size
+                                                     * cfg.moe_intermediate_size, padded_rows)
             else:
                 t = prof.gemm_ms(side, dt, "head", sub.flops_per_token, rows)
             # The CPU pays each op's dispatch in turn; a GPU runs kernels while the host issues more.
             n_ops = OPS[side][sub.kind] + (QK_NORM_OPS[side] if sub.kind == "attn" and cfg.qk_norm else 0)
-            if sub.kind == "experts":
+            if sub.kind == "experts" and side == "gpu" and padded:
+                runs = math.ceil(sub.n_experts * padded_rows / n)
+                n_ops += runs * OPS_PADDED_RUN + OPS_PADDED_EXPERT * spec.expected_experts(sub, n)
+            elif sub.kind == "experts":
                 n_ops += (OPS_PER_EXPERT if n > 1 else OPS_PER_EXPERT_SINGLE) * spec.expected_experts(sub, n)
             issue = prof.op_ms(side, n_ops)
             if side == "cpu":

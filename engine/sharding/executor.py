@@ -471,7 +471,10 @@ class Executor:
                 self._routed_ready(layer)
             return s
         experts, last = step
-        x = moe.experts_block(self.cfg, w, x, experts)
+        if x.h.shape[0] > moe.FEW_TOKENS and not self._routed_now:   # a whole group, many tokens: in padded runs
+            x = moe.experts_padded(self.cfg, w, x, experts)
+        else:
+            x = moe.experts_block(self.cfg, w, x, experts)
         if last:
             self._routing.pop(layer, None)
             return moe.finish(x)

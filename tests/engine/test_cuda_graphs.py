@@ -227,6 +227,30 @@ def test_batched_steps_run_moe_layers_held_in_vram_whole(tiny_model, monkeypatch
     assert len(prompts) in counts and max(counts) <= moe.FEW_TOKENS
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_long_steps_run_gpu_expert_groups_in_padded_runs(tiny_model, monkeypatch, arch):
+    """A step of more than moe.FEW_TOKENS tokens (a prompt) runs each GPU expert group, resident or
+    streamed, in padded runs (`moe.experts_padded`; sim device): the same tokens as one expert at a time."""
+    _open_on_the_cpu_plan(monkeypatch)
+    path = tiny_model(arch)
+    prompt = " ".join(["the quick brown fox jumps"] * 8)
+    tokens, calls = {}, {}
+    real = moe.experts_padded
+    for padded in (True, False):
+        seen = []
+
+        def run(cfg, w, s, experts, padded=padded, seen=seen):
+            seen.append(s.h.shape[0])
+            return real(cfg, w, s, experts) if padded else moe.experts_block(cfg, w, s, experts)
+        monkeypatch.setattr(moe, "experts_padded", run)
+        eng, _ = _layer_0_whole(path, "sim", True)
+        tokens[padded] = [e.token_id for e in eng.generate(prompt, max_new_tokens=8)]
+        calls[padded] = seen
+        eng.close()
+    assert tokens[True] == tokens[False]
+    assert calls[True] and min(calls[True]) > moe.FEW_TOKENS
+
+
 @cuda
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 def test_moe_layers_held_in_vram_run_whole_without_host_waits(tiny_model, monkeypatch, arch):

@@ -181,6 +181,17 @@ def test_one_token_routing_sorted_on_the_host_matches_the_general_path(seed):
     assert not isinstance(two[2], list) and two[2][-1].item() == 2 * cfg.num_experts_per_tok
 
 
+def _layer_cases(test):
+    """A layer-level MoE test over both devices, both MoE architectures, float32 and bf16, and fused or
+    separate gate/up stacks."""
+    for name, values in (("fused_gate_up", [True, False]), ("dtype", [torch.float32, torch.bfloat16]),
+                         ("arch", ["qwen3_moe", "mixtral"]),
+                         ("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+                             not torch.cuda.is_available(), reason="needs CUDA"))])):
+        test = pytest.mark.parametrize(name, values)(test)
+    return test
+
+
 def _moe_layer(arch: str, dtype: torch.dtype, fused_gate_up: bool, seed: int, device: str):
     cfg = ModelConfig(arch=arch, vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=16, rope_theta=1e4, max_position_embeddings=64,
@@ -208,11 +219,7 @@ def _moe_layer(arch: str, dtype: torch.dtype, fused_gate_up: bool, seed: int, de
     return cfg, router, groups, g
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fused_gate_up", [True, False])
+@_layer_cases
 @pytest.mark.parametrize("tokens", [1, 4, 16])
 def test_a_few_tokens_layer_in_one_call_matches_the_general_path(device, arch, dtype, fused_gate_up, tokens):
     """A MoE layer held in one place runs for a step of a few tokens with nothing read back to the host
@@ -231,3 +238,35 @@ def test_a_few_tokens_layer_in_one_call_matches_the_general_path(device, arch, d
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol), (seed, (got - want).abs().max())
         assert not torch.equal(got, x)
+
+
+@_layer_cases
+@pytest.mark.parametrize("tokens", [17, 40, 300])
+def test_padded_runs_of_experts_match_one_expert_at_a_time(device, arch, dtype, fused_gate_up, tokens):
+    """A step of many tokens runs a GPU group's experts in padded runs through batched matmuls over the
+    stacked weights (`moe.experts_padded`): the same output as one expert at a time, to rounding; no run
+    gathers more rows than the step has tokens."""
+    for seed in range(3):
+        cfg, router, groups, g = _moe_layer(arch, dtype, fused_gate_up, seed, device)
+        x = torch.randn(tokens, 32, generator=g).to(dtype).to(device)
+        want, got = moe.router_block(cfg, router, x), moe.router_block(cfg, router, x)
+        gathered = []
+        real = torch.Tensor.index_select
+
+        def spy(t, dim, index, real=real, gathered=gathered):
+            gathered.append(index.numel())
+            return real(t, dim, index)
+
+        for w, experts in groups:
+            for j, e in enumerate(experts):        # the reference: PyTorch, one expert at a time
+                a, b = want.bounds[e], want.bounds[e + 1]
+                if b > a:
+                    moe._add_expert(want, a, b, moe._expert(w, j, want.h[want.rows[a:b]]), False)
+            torch.Tensor.index_select = spy
+            try:
+                got = moe.experts_padded(cfg, w, got, experts)
+            finally:
+                torch.Tensor.index_select = real
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        assert torch.allclose(moe.finish(got).float(), moe.finish(want).float(), rtol=tol, atol=tol), seed
+        assert gathered and max(gathered) <= tokens
