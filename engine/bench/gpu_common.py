@@ -11,13 +11,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 
-def open_shape(shape: str, budget, device: str = "cuda", seed: int = 0, n_ctx: int | None = None):
-    """A TorchEngine over random weights of a named shape (weights do not change speed)."""
+def open_shape(shape: str, budget, device: str = "cuda", seed: int = 0, n_ctx: int | None = None,
+               layers: int = 0):
+    """A TorchEngine over random weights of a named shape (weights do not change speed); `layers`: keep
+    only the first that many layers (0: all)."""
+    import dataclasses
+
     from engine.backends.torch_engine import TorchEngine
     from engine.bench.shapes import get_shape
     from engine.loading.random_init import random_model
 
-    loaded = random_model(get_shape(shape), seed=seed, name=shape)
+    cfg = get_shape(shape)
+    if layers:
+        cfg = dataclasses.replace(cfg, num_layers=layers)
+    loaded = random_model(cfg, seed=seed, name=shape)
     return TorchEngine(loaded, device=device, vram_budget=budget, n_ctx=n_ctx, speculative=False)
 
 

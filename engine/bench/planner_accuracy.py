@@ -60,11 +60,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=512, help="cached tokens before a decode-tier step")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-pred-s", type=float, default=6.0)
+    ap.add_argument("--layers", type=int, default=0, help="keep this many layers of the shape (0: all)")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="plan kinds to force, comma-separated")
     ap.add_argument("--out", default="docs/benchmarks")
     args = ap.parse_args(argv)
     budgets = [parse_bytes(b) for b in args.budgets.split(",")]
     tiers = [int(t) for t in args.tiers.split(",")]
-    eng = open_shape(args.shape, budgets[0], n_ctx=max(tiers) + args.ctx + 16)
+    eng = open_shape(args.shape, budgets[0], n_ctx=max(tiers) + args.ctx + 16, layers=args.layers)
     eng.kv_tokens = eng._kv_capacity(max(tiers) + args.ctx)
     torch.cuda.set_per_process_memory_fraction(1.0)   # budgets here are bookings, not the whole process
     planner = eng.planner()
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
     for budget in budgets:
         chosen = planner.plan(budget, kv_tokens=eng.kv_tokens)
         eng.accel.budget = max(eng.accel.budget, budget)
-        for kind in KINDS:
+        for kind in args.kinds.split(","):
             try:
                 ps = planner.plan(budget, kv_tokens=eng.kv_tokens, force_kind=kind)
             except BudgetError as exc:  # a kind that cannot fit this budget

@@ -131,6 +131,9 @@ class Executor:
         # (`moe.layer_few_tokens`);
         # False (or SLIPSTREAM_MOE_LAYER_CALL=0, for A/B runs): the router and the groups one by one
         self.fused_moe = os.environ.get("SLIPSTREAM_MOE_LAYER_CALL", "1") != "0"
+        # A GPU expert group in a step of more than moe.FEW_TOKENS tokens runs in padded runs
+        # (`moe.experts_padded`); False (SLIPSTREAM_MOE_PADDED=0, for A/B runs): one expert at a time
+        self.padded_moe = os.environ.get("SLIPSTREAM_MOE_PADDED", "1") != "0"
         # a one-token attention captured whole, cache write included (see graphs.attention_enabled)
         self.graph_attention = graphs.attention_enabled()
         for i in range(cfg.num_layers):
@@ -471,7 +474,7 @@ class Executor:
                 self._routed_ready(layer)
             return s
         experts, last = step
-        if x.h.shape[0] > moe.FEW_TOKENS and not self._routed_now:   # a whole group, many tokens: in padded runs
+        if self.padded_moe and x.h.shape[0] > moe.FEW_TOKENS and not self._routed_now:   # (whole group)
             x = moe.experts_padded(self.cfg, w, x, experts)
         else:
             x = moe.experts_block(self.cfg, w, x, experts)
