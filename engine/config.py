@@ -15,6 +15,10 @@ SUPPORTED_ARCHS = DENSE_ARCHS + MOE_ARCHS
 EXPERT_GROUPS = 8                  # expert groups per MoE layer by default (see `experts_per_group`)
 
 
+# A MoE layer whose experts are all in one place runs whole, in one call, for steps of up to this many
+# tokens (`engine.models.moe.layer_few_tokens`); the planner's memory and time models follow it.
+MOE_FEW_TOKENS = 16
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     arch: str                      # one of SUPPORTED_ARCHS

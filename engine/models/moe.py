@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
-from engine.config import ModelConfig
+from engine.config import MOE_FEW_TOKENS, ModelConfig
 from engine.models.dense import linear, rms_norm
 
 
@@ -312,7 +312,7 @@ def _experts_decode(parts, s: MoeState) -> bool | None:
     return True
 
 
-FEW_TOKENS = 16   # a MoE layer held in one place runs whole (`layer_few_tokens`) for steps of up to this many
+FEW_TOKENS = MOE_FEW_TOKENS   # a MoE layer held in one place runs whole (`layer_few_tokens`) up to here
 
 
 def layer_few_tokens(cfg: ModelConfig, router_w: dict[str, torch.Tensor],

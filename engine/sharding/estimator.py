@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.models.moe import FEW_TOKENS
+from engine.config import MOE_FEW_TOKENS as FEW_TOKENS
 from engine.sharding.memory import sublayer_bytes
 from engine.sharding.pipeline import CPU, HKV, RES, STR, Pipeline
 from engine.sharding.plan import Placement

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
-from engine.config import ModelConfig, weight_shapes
+from engine.config import MOE_FEW_TOKENS, ModelConfig, weight_shapes
 from engine.sharding.plan import Placement, VramBreakdown
 from engine.sharding.spec import ModelSpec
 
@@ -57,7 +57,9 @@ def scratch_bytes(spec: ModelSpec, tier: int) -> int:
     (float32 logits of at most HEAD_ROWS_MAX rows). Attention itself is assumed to run in a fused kernel
     (no [n, ctx] scores). The MoE block holds the normed input and the output sum across its groups, the
     float32 router probabilities, the routing (top-k ids and weights, sorted) and one expert's
-    temporaries for at most all t rows (gathered input, gate/up, product, output).
+    temporaries for at most all t rows (gathered input, gate/up, product, output); in steps of up to
+    moe.FEW_TOKENS tokens, or a whole group's (`moe.layer_few_tokens`: every expert of a group over the
+    tokens, and each token's k kept rows).
     """
     cfg, db = spec.config, spec.dtype_bytes
     t, h = max(int(tier), 1), cfg.hidden_size
@@ -68,6 +70,8 @@ def scratch_bytes(spec: ModelSpec, tier: int) -> int:
     if cfg.is_moe:
         k, f = cfg.num_experts_per_tok, cfg.moe_intermediate_size
         moe = t * (2 * h * db + 3 * cfg.num_experts * 4 + 4 * k * 8 + (3 * h + 4 * f) * db)
+        if t <= MOE_FEW_TOKENS:   # a layer in one call runs all of a group's experts over the step's tokens
+            moe = max(moe, t * (2 * h * db + cfg.experts_per_group * (4 * f + h) * db + 2 * k * h * db))
         ffn = max(ffn, moe)
     head = rows * (2 * h * 4 + cfg.vocab_size * (db + 4))
     workspace = min(WORKSPACE_MAX, spec.total_weight_bytes // 64)

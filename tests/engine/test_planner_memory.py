@@ -56,3 +56,22 @@ def test_breakdown_parts(cfg):
     assert memory.vram_breakdown(spec, pl, 16, 100, 1).slots == max(sizes["layers.0.ffn"], sizes["head"])
     scratch = [memory.scratch_bytes(spec, t) for t in (1, 4, 16, 64, 256, 1024, 4096)]
     assert scratch == sorted(scratch) and scratch[0] > 0
+
+
+def test_scratch_covers_a_moe_layer_run_in_one_call():
+    """In steps of up to MOE_FEW_TOKENS tokens a MoE layer held in VRAM runs in one call: every expert of
+    a group over the step's tokens (gate/up, product, output per expert) and each token's k kept rows.
+    The scratch booked for such a tier holds those temporaries beside the matmul workspace, even where a
+    small vocabulary leaves the head's logits no larger than attention's."""
+    import dataclasses
+
+    from engine.bench.shapes import get_shape
+    from engine.config import MOE_FEW_TOKENS
+
+    cfg = dataclasses.replace(get_shape("qwen3-30b-a3b"), num_layers=2, vocab_size=256)
+    spec = ModelSpec.from_config(cfg)
+    h, f, db = cfg.hidden_size, cfg.moe_intermediate_size, spec.dtype_bytes
+    workspace = min(memory.WORKSPACE_MAX, spec.total_weight_bytes // 64)     # cuBLAS's, not activations
+    for t in (1, 4, MOE_FEW_TOKENS):
+        whole_group = t * cfg.experts_per_group * (4 * f + h) * db + t * cfg.num_experts_per_tok * h * db
+        assert memory.scratch_bytes(spec, t) - workspace >= whole_group, t
