@@ -7,7 +7,7 @@ several layers so that every step reads its experts from DRAM; for one token and
 
 Prints, per batch size, the median milliseconds of the router and of the experts, the distinct experts
 the batch touched, the GB/s of their weights read, and the path they took (the native kernel over every
-routed expert in one call, or PyTorch expert by expert where one has more rows than `kernels.max_rows`);
+routed expert in one call, or PyTorch expert by expert where one has more rows than `kernels.max_rows_many`);
 writes moe_cpu_experts.json (command, machine, date) under --out. The one-token row's fields stay at the
 top level, as earlier reports had them.
 """
@@ -68,8 +68,8 @@ def main(argv=None) -> int:
         router_ms = statistics.median(t_router[skip:]) * 1e3
         experts_ms = statistics.median(t_experts[skip:]) * 1e3
         nbytes = statistics.median(touched) * expert_bytes
-        path = ("native" if widest <= kernels.max_rows(torch.bfloat16)
-                else "PyTorch expert by expert: one had more rows than max_rows")
+        path = ("native" if widest <= kernels.max_rows_many(torch.bfloat16)
+                else "PyTorch expert by expert: one had more rows than max_rows_many")
         rows.append({"batch": batch, "router_ms": round(router_ms, 4), "experts_ms": round(experts_ms, 4),
                      "touched_experts": statistics.median(touched), "most_rows_per_expert": widest,
                      "expert_bytes": int(nbytes), "experts_gbps": round(nbytes / experts_ms / 1e6, 2), "path": path})

@@ -241,6 +241,17 @@ def max_rows(dtype: torch.dtype) -> int:
     return rows
 
 
+def max_rows_many(dtype: torch.dtype) -> int:
+    """The most rows per matrix in a batched job (`linear_many`: the experts a step routes to): MAX_ROWS,
+    AMX or not (SLIPSTREAM_NATIVE_MAX_ROWS overrides). Past `max_rows`, one large matrix is PyTorch's, but
+    a step's small expert matrices are not: PyTorch takes them one op at a time, each op waking its
+    threads. Two cores with AMX, a Qwen3-30B-A3B layer's routed experts (`engine.bench.moe_cpu_experts`):
+    32 tokens (up to 8 rows an expert) 76-77 ms against 90-109, 64 tokens (up to 14) 90 against 125-127,
+    16 tokens (up to 6) 47-49 against 51-71."""
+    env = os.environ.get("SLIPSTREAM_NATIVE_MAX_ROWS")
+    return int(env) if env else MAX_ROWS
+
+
 def usable(x: torch.Tensor, w: torch.Tensor, min_weights: int | None = None) -> bool:
     if min_weights is None:
         min_weights = MIN_WEIGHTS if w.dtype == torch.float32 else MIN_WEIGHTS_16BIT
@@ -288,7 +299,7 @@ def linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor],
                 min_weights: int | None = None) -> torch.Tensor | None:
     """`cat([x @ w.T for x, w in zip(xs, ws)])` as one job on the native pool: the experts a step routes
     to, each a matrix too small to be worth a pool wake-up of its own. Every w is [N, K] (one shape),
-    every x [m_i, K] with 1 <= m_i <= max_rows(dtype), all on the CPU in one dtype. Returns [sum m_i, N], or
+    every x [m_i, K] with 1 <= m_i <= max_rows_many(dtype), all on the CPU in one dtype. Returns [sum m_i, N], or
     None where the kernel does not apply (the caller then loops with PyTorch). `min_weights` applies to
     the matrices together."""
     if not xs or len(xs) != len(ws) or len(xs) > MAX_BATCH or not _enabled or _building.is_set():
@@ -298,7 +309,7 @@ def linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor],
                                                                            else min_weights):
         return None
     n, k = w0.shape
-    rows = max_rows(w0.dtype)
+    rows = max_rows_many(w0.dtype)
     for x, w in zip(xs, ws):
         if (w.shape != w0.shape or w.dtype != w0.dtype or x.dtype != w0.dtype or w.device.type != "cpu"
                 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != k or not 0 < x.shape[0] <= rows

@@ -143,7 +143,7 @@ def experts_blocks(cfg: ModelConfig, parts: list[tuple[dict[str, torch.Tensor], 
     """`experts_block` over several groups of one layer (the executor passes the consecutive groups that
     run on the CPU together), experts in ascending order.
 
-    On the CPU, where every routed expert has at most `kernels.max_rows` tokens (decode, small batches),
+    On the CPU, where every routed expert has at most `kernels.max_rows_many` tokens (decode, batches),
     the routed experts' matmuls go to the native kernel as one pool job per projection (`linear_many`):
     expert matrices are too small for a pool wake-up each, and PyTorch's few-row bf16 path reaches a
     fraction of DRAM speed. Otherwise each expert runs alone: a one-token step (decode) skips the gather
@@ -246,7 +246,7 @@ def _experts_native(cfg: ModelConfig, parts, s: MoeState) -> bool:
             return done
     routed = [(w, j, s.bounds[e], s.bounds[e + 1]) for w, experts in parts for j, e in enumerate(experts)
               if s.bounds[e + 1] > s.bounds[e]]
-    if not routed or any(b - a > kernels.max_rows(s.h.dtype) for _, _, a, b in routed):
+    if not routed or any(b - a > kernels.max_rows_many(s.h.dtype) for _, _, a, b in routed):
         return not routed
     single = s.h.shape[0] == 1
     hxs = [s.h if single else s.h[s.rows[a:b]] for _, _, a, b in routed]

@@ -22,7 +22,9 @@ def _every_row_count(monkeypatch):
     monkeypatch.setattr(kernels, "_max_rows", {})
 
 
-def test_bf16_rows_go_to_pytorch_past_four_where_the_cpu_has_amx(monkeypatch):
+def test_bf16_rows_of_one_matrix_go_to_pytorch_past_four_where_the_cpu_has_amx(monkeypatch):
+    """One large bf16 matrix of more than 4 rows is PyTorch's on an AMX CPU; a batched job's small
+    matrices (a step's routed experts) stay native up to 16 rows."""
     monkeypatch.undo()
     monkeypatch.delenv("SLIPSTREAM_NATIVE_MAX_ROWS", raising=False)
     for amx, want in ((True, kernels.MAX_ROWS_AMX_BF16), (False, kernels.MAX_ROWS)):
@@ -37,6 +39,7 @@ def test_bf16_rows_go_to_pytorch_past_four_where_the_cpu_has_amx(monkeypatch):
     for rows, native in ((4, True), (5, False), (16, False)):
         assert kernels.usable(torch.randn(rows, 512).to(torch.bfloat16), w, min_weights=0) is (
             native and kernels._load() is not None)
+    for rows, native in ((4, True), (5, True), (16, True), (17, False)):
         assert (kernels.linear_many([torch.randn(rows, 512).to(torch.bfloat16)], [w], min_weights=0) is not None) is (
             native and kernels._load() is not None)
     monkeypatch.setenv("SLIPSTREAM_NATIVE_MAX_ROWS", "16")

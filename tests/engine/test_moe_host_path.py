@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -270,3 +271,29 @@ def test_padded_runs_of_experts_match_one_expert_at_a_time(device, arch, dtype, 
         tol = 1e-5 if dtype == torch.float32 else 3e-2
         assert torch.allclose(moe.finish(got).float(), moe.finish(want).float(), rtol=tol, atol=tol), seed
         assert gathered and max(gathered) <= tokens
+
+
+@needs_kernel
+def test_a_batch_routing_more_than_four_rows_to_an_expert_keeps_the_native_job(monkeypatch):
+    """On an AMX CPU a single bf16 matrix of more than 4 rows is PyTorch's, but a batch's routed experts
+    stay in one native job up to 16 rows each (`kernels.max_rows_many`): PyTorch would take them one op at
+    a time. Same output as one expert at a time, to rounding."""
+    monkeypatch.delenv("SLIPSTREAM_NATIVE_MAX_ROWS", raising=False)
+    monkeypatch.setattr(kernels, "_amx", True)
+    monkeypatch.setattr(kernels, "_max_rows", {})
+    jobs = []
+    real = kernels.linear_many
+    monkeypatch.setattr(kernels, "linear_many", lambda xs, ws, *a: jobs.append(max(x.shape[0] for x in xs))
+                        or real(xs, ws, *a))
+    cfg, router, groups, g = _moe_layer("qwen3_moe", torch.bfloat16, True, 0, "cpu")
+    x = torch.randn(16, 32, generator=g).to(torch.bfloat16)
+    got, want = moe.router_block(cfg, router, x), moe.router_block(cfg, router, x)
+    assert max(b - a for a, b in itertools.pairwise(got.bounds)) > kernels.max_rows(torch.bfloat16)
+    got = moe.experts_blocks(cfg, groups, got)
+    for w, experts in groups:
+        for j, e in enumerate(experts):
+            a, b = want.bounds[e], want.bounds[e + 1]
+            if b > a:
+                moe._add_expert(want, a, b, moe._expert(w, j, want.h[want.rows[a:b]]), False)
+    assert jobs and max(jobs) > 4
+    assert torch.allclose(moe.finish(got).float(), moe.finish(want).float(), rtol=3e-2, atol=3e-2)
