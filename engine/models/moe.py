@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from itertools import accumulate, compress
 from operator import ne
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -200,13 +201,12 @@ def experts_padded(cfg: ModelConfig, w: dict[str, torch.Tensor], s: MoeState, ex
         runs.append((j0, j, cap))
     if not runs:
         return s
-    idx: list[int] = []                           # each run's pair rows, padded with the expert's first
+    parts = []                                    # each run's pair rows, padded with the expert's first
     for j0, j1, cap in runs:
-        for jj in range(j0, j1):
-            a, c = b[experts.start + jj], counts[jj]
-            idx.extend(range(a, a + c))
-            idx.extend([a] * (cap - c))
-    at_all = torch.tensor(idx, dtype=torch.long)
+        first = np.asarray(b[experts.start + j0:experts.start + j1], dtype=np.int64)[:, None]
+        r = np.arange(cap, dtype=np.int64)[None, :]
+        parts.append((first + np.where(r < np.asarray(counts[j0:j1])[:, None], r, 0)).reshape(-1))
+    at_all = torch.from_numpy(np.concatenate(parts))
     if s.h.is_cuda:                               # (one copy per group, queued: the host does not wait)
         at_all = at_all.pin_memory().to(s.h.device, non_blocking=True)
     out = _sum(s)
