@@ -88,7 +88,7 @@ class LayerPool:
         return [((BLOCK_SIZE, *self.tail), torch.uint8)] * 2 + [((BLOCK_SIZE, self.tail[0]), torch.float32)] * 2
 
     def block_bytes(self) -> int:
-        return sum(math.prod(shape) * torch.tensor([], dtype=dt).element_size() for shape, dt in self.part_specs())
+        return sum(math.prod(shape) * dt.itemsize for shape, dt in self.part_specs())
 
     @property
     def k(self) -> torch.Tensor | None:
