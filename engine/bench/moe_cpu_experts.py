@@ -5,7 +5,8 @@ several layers so that every step reads its experts from DRAM; for one token and
     python -m engine.bench.moe_cpu_experts [--shape qwen3-30b-a3b] [--layers 3] [--tokens 60]
                                            [--batches 1,4,16] [--out DIR]
 
-Prints, per batch size, the median milliseconds of the router and of the experts, the distinct experts
+Prints, per batch size, the median milliseconds of the router and of the experts (and of the experts'
+time, how much was spent inside the native jobs: the rest is host work), the distinct experts
 the batch touched, the GB/s of their weights read, and the path they took (the native kernel over every
 routed expert in one call, or PyTorch expert by expert where one has more rows than `kernels.max_rows_many`);
 writes moe_cpu_experts.json (command, machine, date) under --out. The one-token row's fields stay at the
@@ -50,31 +51,47 @@ def main(argv=None) -> int:
     router = {"ffn_norm.weight": torch.ones(h, dtype=torch.bfloat16),
               "router.weight": (torch.randn(e, h, generator=g) * 0.02).to(torch.bfloat16)}
     expert_bytes = 3 * h * inter * 2
+    in_kernel = [0.0]                 # seconds inside the native batched jobs (the rest is host work)
+    real_batch = kernels._batch
+
+    def timed_batch(*a):
+        t = time.perf_counter()
+        try:
+            return real_batch(*a)
+        finally:
+            in_kernel[0] += time.perf_counter() - t
+
+    kernels._batch = timed_batch
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        t_router, t_experts, touched, widest = [], [], [], 0
+        t_router, t_experts, t_kernel, touched, widest = [], [], [], [], 0
         for i in range(args.tokens):
             x = torch.randn(batch, h, generator=g).to(torch.bfloat16)
             t0 = time.perf_counter()
             s = moe.router_block(cfg, router, x)
             t1 = time.perf_counter()
+            in_kernel[0] = 0.0
             moe.experts_blocks(cfg, layers[i % args.layers], s)
             t_router.append(t1 - t0)
             t_experts.append(time.perf_counter() - t1)
+            t_kernel.append(in_kernel[0])
             counts = [s.bounds[j + 1] - s.bounds[j] for j in range(e)]
             touched.append(sum(c > 0 for c in counts))
             widest = max(widest, max(counts))
         skip = min(6, args.tokens // 4)
         router_ms = statistics.median(t_router[skip:]) * 1e3
         experts_ms = statistics.median(t_experts[skip:]) * 1e3
+        kernel_ms = statistics.median(t_kernel[skip:]) * 1e3
         nbytes = statistics.median(touched) * expert_bytes
         path = ("native" if widest <= kernels.max_rows_many(torch.bfloat16)
                 else "PyTorch expert by expert: one had more rows than max_rows_many")
         rows.append({"batch": batch, "router_ms": round(router_ms, 4), "experts_ms": round(experts_ms, 4),
+                     "kernel_ms": round(kernel_ms, 4), "bulk": moe._BULK,
                      "touched_experts": statistics.median(touched), "most_rows_per_expert": widest,
                      "expert_bytes": int(nbytes), "experts_gbps": round(nbytes / experts_ms / 1e6, 2), "path": path})
         print(f"{args.shape} batch {batch}: router {router_ms:.3f} ms; {statistics.median(touched):g} experts "
-              f"touched {experts_ms:.3f} ms ({nbytes / 1e6:.1f} MB at {nbytes / experts_ms / 1e6:.1f} GB/s; "
+              f"touched {experts_ms:.3f} ms, {kernel_ms:.3f} in the native jobs ({nbytes / 1e6:.1f} MB at "
+              f"{nbytes / experts_ms / 1e6:.1f} GB/s; "
               f"up to {widest} rows per expert: {path}); {kernels.status()}", flush=True)
     if args.out:
         from engine.bench.gpu_common import write_report

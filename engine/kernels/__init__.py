@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -143,6 +144,9 @@ def _load():
         lib.sl_weighted_sum.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.sl_weighted_sum.restype = ctypes.c_int
+        lib.sl_scatter_add.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_int64]
+        lib.sl_scatter_add.restype = ctypes.c_int
         lib.sl_paged_attention.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -344,13 +348,22 @@ def _batch(dtype: torch.dtype, xp: list[int], wp: list[int], counts: list[int], 
 
 
 def linear_stacked(x: torch.Tensor, stacks: list[torch.Tensor], picks: list[tuple[int, int]],
-                   min_weights: int | None = None) -> torch.Tensor | None:
+                   min_weights: int | None = None, counts: list[int] | None = None) -> torch.Tensor | None:
     """`y[i] = x[i] @ stacks[s][j].T` for each pick i = (s, j), as one job on the native pool: the one-row
     matmuls of the experts a decode step routes to, read from stacked expert weights [E, N, K] (each
     expert's matrix contiguous; the stack itself may be strided) without a tensor per expert. x: [1, K]
     (every pick reads that row) or [len(picks), K], contiguous. Returns [len(picks), N], or None where the
-    kernel does not apply (nothing is computed then). `min_weights` as in `linear_many`."""
+    kernel does not apply (nothing is computed then). `min_weights` as in `linear_many`.
+
+    With `counts` (a batch's step: pick i takes the next counts[i] rows of x, 1 to `max_rows_many` each),
+    x is [sum(counts), K] and the result [sum(counts), N], rows in x's order."""
     m = len(picks)
+    if counts is not None:
+        if len(counts) != m or (m and not 0 < min(counts) <= max(counts) <= max_rows_many(x.dtype)):
+            return None
+        rows_in = sum(counts)
+    else:
+        rows_in = m
     if not m or m > MAX_BATCH or not stacks or not _enabled or _building.is_set():
         return None
     s0 = stacks[0]
@@ -360,7 +373,8 @@ def linear_stacked(x: torch.Tensor, stacks: list[torch.Tensor], picks: list[tupl
     dtype = s0.dtype
     if n * k * m < (MIN_WEIGHTS if min_weights is None else min_weights):
         return None
-    if (x.dtype != dtype or not x.is_cpu or x.dim() != 2 or x.shape[1] != k or x.shape[0] not in (1, m)
+    if (x.dtype != dtype or not x.is_cpu or x.dim() != 2 or x.shape[1] != k
+            or x.shape[0] not in ((1, m) if counts is None else (rows_in,))
             or not x.is_contiguous() or x.requires_grad):
         return None
     bases, steps = [], []
@@ -377,8 +391,11 @@ def linear_stacked(x: torch.Tensor, stacks: list[torch.Tensor], picks: list[tupl
     if any(not 0 <= j < sizes[g] for g, j in picks):
         return None
     xp, row = x.data_ptr(), k * x.element_size()
-    xs = [xp] * m if x.shape[0] == 1 else list(range(xp, xp + m * row, row))
-    return _batch(dtype, xs, [bases[g] + j * steps[g] for g, j in picks], [1] * m, n, k)
+    if counts is not None:
+        xs = [xp + row * a for a in accumulate(counts, initial=0)][:m]
+    else:
+        xs = [xp] * m if x.shape[0] == 1 else list(range(xp, xp + m * row, row))
+    return _batch(dtype, xs, [bases[g] + j * steps[g] for g, j in picks], counts or [1] * m, n, k)
 
 
 def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero: bool = False) -> bool:
@@ -403,6 +420,26 @@ def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero
     o = out.data_ptr()
     return lib.sl_weighted_sum(_DTYPES[dtype], o, None if from_zero else o, y.data_ptr(), wt.data_ptr(),
                                y.shape[0], y.shape[1]) == 0
+
+
+def scatter_add(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> bool:
+    """`out.index_add_(0, rows[i:i+1], y[i:i+1])` for each i in turn, in one native call on this thread:
+    out [R, N], y [m, N] contiguous in one dtype (bf16, fp16, fp32) on the CPU, rows int64 [m] within R
+    (repeats allowed: each add rounds to the dtype before the next, in order). False (out untouched)
+    where it does not apply."""
+    if not _enabled or _building.is_set() or out.dtype not in _DTYPES or y.dtype != out.dtype:
+        return False
+    if (out.dim() != 2 or y.dim() != 2 or y.shape[1] != out.shape[1] or rows.dtype != torch.int64
+            or rows.numel() != y.shape[0] or not (out.is_cpu and y.is_cpu and rows.is_cpu)
+            or not (out.is_contiguous() and y.is_contiguous() and rows.is_contiguous()) or out.requires_grad):
+        return False
+    if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < out.shape[0]:
+        return False
+    lib = _load()
+    if lib is None:
+        return False
+    return lib.sl_scatter_add(_DTYPES[out.dtype], out.data_ptr(), y.data_ptr(), rows.data_ptr(), y.shape[0],
+                              y.shape[1]) == 0
 
 
 MAX_HEAD_DIM = 256         # the C side's limit (an item's scratch lives on its thread's stack)

@@ -472,6 +472,39 @@ int sl_weighted_sum(int dtype, void *out, const void *start, const void *y, cons
     return 0;
 }
 
+/* out[rows[i]][j] += y[i][j] for i = 0 .. m-1 in turn (j < N), each add in float32 rounded to the dtype
+ * before the next, as PyTorch's out.index_add_(0, rows[i:i+1], y[i:i+1]) one index at a time: a batch's
+ * MoE step adds its routed pairs' weighted outputs (sorted by expert) to their tokens' sums this way, each
+ * token's in ascending expert order. PyTorch's own index_add_ over all of them at once sums a row's
+ * repeated 16-bit additions at a wider precision, and one call per expert cost a thread wake-up each. */
+int sl_scatter_add(int dtype, void *out, const void *y, const int64_t *rows, int64_t m, int64_t N) {
+    if (dtype < 0 || dtype > 2 || m < 0 || N < 0) return -1;
+    size_t es = dtype == DT_F32 ? 4 : 2;
+    for (int64_t i = 0; i < m; i++) {
+        char *o = (char *)out + (size_t)rows[i] * N * es;
+        const char *src = (const char *)y + (size_t)i * N * es;
+        int64_t j = 0;
+        if (dtype == DT_F32) {
+            float *of = (float *)o;
+            const float *sf = (const float *)src;
+            for (; j < N; j++) of[j] += sf[j];
+            continue;
+        }
+#if defined(__AVX512F__) && defined(__F16C__)
+        for (; j + 16 <= N; j += 16) {
+            __m512 acc = _mm512_add_ps(load16(dtype, o, j, 0xffff), load16(dtype, src, j, 0xffff));
+            if (dtype == DT_BF16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)o + j), _mm512_cvtepi32_epi16(bf16_round_bits(acc)));
+            else
+                _mm256_storeu_si256((__m256i *)((uint16_t *)o + j),
+                                    _mm512_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+#endif
+        for (; j < N; j++) store_elem(dtype, o, j, load_elem(dtype, o, j) + load_elem(dtype, src, j));
+    }
+    return 0;
+}
+
 /* ---- paged decode attention --------------------------------------------------------------------- */
 /* One new query token per sequence attends over its first L cached keys and values, read straight from the
  * paged pool through the sequence's block table (engine/sharding/kvcache.py): a decode step needs no

@@ -138,11 +138,19 @@ def attend_one_token(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     `valid` bool [L] (the positions it may see). Each KV head's group of query heads goes in as that
     head's queries (they share one position, so one mask row serves them all): grouped heads without
     expanding the keys, in one fused kernel of static shapes (a CUDA graph captures it)."""
-    kvh, length, d = keys.shape
-    heads = q.shape[0]
-    out = F.scaled_dot_product_attention(q.reshape(1, kvh, heads // kvh, d), keys[None], values[None],
-                                         attn_mask=valid.view(1, 1, 1, length))
-    return out.reshape(heads, 1, d)
+    return attend_one_token_batch(q.reshape(1, *q.shape[::2]), keys[None], values[None], valid[None]).reshape(q.shape)
+
+
+def attend_one_token_batch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           valid: torch.Tensor) -> torch.Tensor:
+    """`attend_one_token` for B sequences at once: q [B, heads, d], keys and values [B, kv_heads, L, d]
+    (each sequence's context padded to L), valid bool [B, L]; returns [B, heads, d]. The same kernel
+    over the same padded rows per sequence, so each row comes out as `attend_one_token` gives it alone."""
+    b, kvh, length, d = keys.shape
+    heads = q.shape[1]
+    out = F.scaled_dot_product_attention(q.reshape(b, kvh, heads // kvh, d), keys, values,
+                                         attn_mask=valid.view(b, 1, 1, length))
+    return out.reshape(b, heads, d)
 
 
 def ffn_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:

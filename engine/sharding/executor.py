@@ -553,7 +553,7 @@ class Executor:
 
         def attend(q, k, v):
             if host_kv:
-                return self._attend_over_host_kv(layer, q, k, v, segs, gqa)
+                return self._attend_over_host_kv(layer, q, k, v, segs, decode, gqa)
             self.kv.write_many(layer, [(s.seq, s.start, s.n) for s in segs], k, v)
             if len(segs) == 1:
                 s = segs[0]
@@ -568,9 +568,13 @@ class Executor:
                 # the decode tokens: one padded attention over their caches
                 keys, values, valid = self.kv.read_padded(layer, [(s.seq, s.start + 1) for s in decode.segs])
                 rows = decode.rows[dev]
-                qd = q.index_select(1, rows).transpose(0, 1).unsqueeze(2)       # [B, heads, 1, head_dim]
-                od = _attend_padded(qd, keys, values, valid, gqa)
-                out.index_copy_(1, rows, od.squeeze(2).transpose(0, 1))
+                if self._one_token_kernel(layer, decode.segs, q):
+                    od = dense.attend_one_token_batch(q.index_select(1, rows).transpose(0, 1), keys, values, valid)
+                    out.index_copy_(1, rows, od.transpose(0, 1))
+                else:
+                    qd = q.index_select(1, rows).transpose(0, 1).unsqueeze(2)   # [B, heads, 1, head_dim]
+                    od = _attend_padded(qd, keys, values, valid, gqa)
+                    out.index_copy_(1, rows, od.squeeze(2).transpose(0, 1))
             for s in segs:
                 if decode is None or s not in decode.segs:
                     if self._decode_natively(layer, s, q, out) is not None:
@@ -621,15 +625,31 @@ class Executor:
             return None
         return self.kv.attend_decode(layer, [(s.seq, s.start + 1)], q, None if out is None else [s.row], out)
 
-    def _attend_over_host_kv(self, layer: int, q, k, v, segs: list[_Segment], gqa: bool) -> torch.Tensor:
-        """Attention on the GPU over a KV cache kept in host memory, one sequence at a time (the plan books
-        one layer's KV in scratch): the new keys and values are copied out to the (pinned) host pool and
-        each sequence's cached ones in, both queued on the stream, so the host never waits for the GPU. The
-        new ones take part as a read after the write would return them (an FP8 pool rounds them)."""
+    def _attend_over_host_kv(self, layer: int, q, k, v, segs: list[_Segment], decode: _DecodeGroup | None,
+                             gqa: bool) -> torch.Tensor:
+        """Attention on the GPU over a KV cache kept in host memory (the plan books one layer's KV in
+        scratch): the new keys and values are copied out to the (pinned) host pool and the cached ones in,
+        both queued on the stream, so the host never waits for the GPU. The new ones take part as a read
+        after the write would return them (an FP8 pool rounds them). A batch's decode tokens go over
+        together (their contexts gathered on the host into one padded copy, one kernel call); the other
+        sequences one at a time."""
         self.kv.write_from_device(layer, [(s.seq, s.start, s.n) for s in segs], k, v)
         k, v = self.kv.as_stored(layer, k, v)
         out = torch.empty_like(q)
+        together = decode is not None and self._one_token_kernel(layer, decode.segs, q)
+        if together:
+            keys, values, valid = self.kv.read_padded_to(layer, [(s.seq, s.start + 1) for s in decode.segs],
+                                                         q.device)
+            rows = decode.rows[q.device]
+            # each token's own key and value, at its position (the host pool's copy of them is still queued)
+            at = self.kv.positions_index([s.start for s in decode.segs], q.device)
+            for cache, new in ((keys, k), (values, v)):
+                cache.transpose(1, 2).index_put_(at, new.index_select(1, rows).transpose(0, 1))
+            od = dense.attend_one_token_batch(q.index_select(1, rows).transpose(0, 1), keys, values, valid)
+            out.index_copy_(1, rows, od.transpose(0, 1))
         for s in segs:
+            if together and s in decode.segs:
+                continue
             # (a simulated accelerator's q is on the CPU: its decode tokens take the native kernel, as under
             # any other plan)
             if self._decode_natively(layer, s, q, out) is not None:
@@ -651,6 +671,14 @@ class Executor:
             return dense.attend_one_token(q, keys, values,
                                           graphs.visible(s.start + 1, s.start, self.cfg.sliding_window, q.device))
         return dense._attend(q, keys, values, s.masks[q.device], gqa)
+
+    def _one_token_kernel(self, layer: int, segs: list[_Segment], q: torch.Tensor) -> bool:
+        """Whether these one-token segments attend through `dense.attend_one_token(_batch)`: on the GPU,
+        every context within the captured range (as `_attend_one` decides for one)."""
+        if not q.is_cuda:
+            return False
+        tb = self._kv_token_bytes(layer)
+        return all(s.n == 1 and graphs.fits_padded_context(s.start + 1, tb) for s in segs)
 
     def _kv_token_bytes(self, layer: int) -> int:
         return self.kv.pools[layer].block_bytes() // BLOCK_SIZE

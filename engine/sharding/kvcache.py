@@ -767,6 +767,15 @@ class PagedKVCache:
             flat = self._memo_index(key, torch.cat(rows) if len(rows) > 1 else rows[0], device)
         return flat
 
+    def positions_index(self, starts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch row, position) index pair of a padded [B, L, ...] batch's entries (i, starts[i]), on
+        `device`; kept for the step's other layers."""
+        key = ("positions", device, *starts)
+        at = self._index_memo.get(key)
+        if at is None:
+            at = self._memo_index(key, torch.tensor([list(range(len(starts))), starts], dtype=torch.long), device)
+        return at[0], at[1]
+
     def _memo_index(self, key: tuple, index: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Keep an index tensor (moved to `device` once: a copy to the GPU waits for its queue) for the
         other layers of the step; the memo holds the last few steps' indexes of a batch."""
@@ -823,12 +832,42 @@ class PagedKVCache:
         """Keys and values of the first `length` positions of several (sequence, length), padded to the
         longest: K, V [B, kv_heads, L, head_dim] and a bool [B, L] marking the real positions."""
         pool = self.pools[layer]
-        device = pool.k.device
+        rows, valid = self._padded_rows(seqs, pool.k.device, pool.k.device)
+        parts = [p.view(-1, *p.shape[2:]).index_select(0, rows) for p in pool.parts]
+        return self._padded(pool, parts, len(seqs), valid)
+
+    def read_padded_to(self, layer: int, seqs: list[tuple[Sequence, int]],
+                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """read_padded() of a host pool onto `device`: the sequences' rows gathered on the host in one
+        pass per stored part (into pinned memory where `device` is a GPU) and copied over in one queued
+        copy each (the host does not wait), then dequantized there; `valid` on `device`."""
+        pool = self.pools[layer]
+        rows, valid = self._padded_rows(seqs, pool.k.device, device)
+        pin = device.type == "cuda"
+        parts = []
+        for p in pool.parts:
+            flat = p.view(-1, *p.shape[2:])
+            buf = torch.empty((rows.numel(), *flat.shape[1:]), dtype=flat.dtype, pin_memory=pin)
+            torch.index_select(flat, 0, rows, out=buf)
+            parts.append(buf.to(device, non_blocking=True))
+        return self._padded(pool, parts, len(seqs), valid)
+
+    def _padded(self, pool: LayerPool, parts: list[torch.Tensor], n: int, valid: torch.Tensor):
+        k, v = self._dequantized(pool, parts)
+        shape = (n, valid.shape[1], *k.shape[1:])
+        return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2), valid
+
+    def _padded_rows(self, seqs: list[tuple[Sequence, int]], pool_device: torch.device,
+                     valid_device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flat pool rows of the first `length` positions of each (sequence, length), padded to the
+        longest with row 0 ([B * L], on the pool's device), and the bool [B, L] marking the real ones (on
+        `valid_device`); kept for the step's other layers."""
         longest = max(length for _, length in seqs)
-        key = ("padded", device, longest, *((length, tuple(seq.block_table[:-(-length // BLOCK_SIZE)]))
-                                            for seq, length in seqs))
+        key = ("padded", pool_device, longest, *((length, tuple(seq.block_table[:-(-length // BLOCK_SIZE)]))
+                                                 for seq, length in seqs))
+        vkey = ("valid", valid_device, *key[2:])
         rows = self._index_memo.get(key)
-        valid = self._index_memo.get(("valid", *key[1:]))
+        valid = self._index_memo.get(vkey)
         if rows is None or valid is None:
             pos = torch.arange(longest)
             width = -(-longest // BLOCK_SIZE)
@@ -836,12 +875,9 @@ class PagedKVCache:
             lengths = torch.tensor([length for length, _ in key[3:]])
             real = pos[None, :] < lengths[:, None]                             # [B, L]
             flat = torch.where(real, tables[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE, 0)
-            rows = self._memo_index(key, flat.reshape(-1), device)
-            valid = self._memo_index(("valid", *key[1:]), real, device)
-        parts = [p.view(-1, *p.shape[2:]).index_select(0, rows) for p in pool.parts]
-        k, v = self._dequantized(pool, parts)
-        shape = (len(seqs), longest, *k.shape[1:])
-        return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2), valid
+            rows = self._memo_index(key, flat.reshape(-1), pool_device)
+            valid = self._memo_index(vkey, real, valid_device)
+        return rows, valid
 
     def _dequantized(self, pool: LayerPool, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [n, kv_heads, head_dim] in the model's dtype from a pool's stored parts."""

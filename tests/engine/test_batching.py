@@ -86,7 +86,13 @@ def assert_nothing_held(eng) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("device,kind", SETTINGS, ids=[f"{d}-{k}" if k else d for d, k in SETTINGS])
-def test_batch_matches_alone_with_joins_and_chunked_prefill(tiny_model, arch, device, kind):
+def test_batch_matches_alone_with_joins_and_chunked_prefill(tiny_model, arch, device, kind, monkeypatch):
+    if device == "sim" and kind == "gpu_only":
+        # the decode tokens take the GPU's one-token kernel as on CUDA (here on the CPU): a batch's decode
+        # tokens over their padded caches in one call
+        from engine.sharding.executor import Executor
+
+        monkeypatch.setattr(Executor, "_one_token_kernel", lambda self, layer, segs, q: all(s.n == 1 for s in segs))
     path = tiny_model(arch)
     eng = open_batched(path, device, kind)
     steps = record_steps(eng)
@@ -386,11 +392,20 @@ def test_a_failing_step_fails_its_requests_and_the_batch_goes_on(tiny_model):
     eng.close()
 
 
-def test_batch_over_host_resident_kv_matches_alone(tiny_model):
+@pytest.mark.parametrize("one_token_kernel", [False, True])
+def test_batch_over_host_resident_kv_matches_alone(tiny_model, one_token_kernel, monkeypatch):
     """Attention streamed to the (simulated) GPU while every layer's KV cache stays in host memory, as
-    small budgets plan their prefill tiers: batched decodes and prefill chunks keep their solo tokens."""
+    small budgets plan their prefill tiers: batched decodes and prefill chunks keep their solo tokens.
+    `one_token_kernel`: the decode tokens take the GPU's one-token kernel as on CUDA (here on the CPU), a
+    batch's decode tokens over their host caches together (one padded gather and copy, each token's own
+    key and value put in at its position)."""
+    from engine.sharding.executor import Executor
     from engine.sharding.plan import Placement, Plan, PlanSet
 
+    if one_token_kernel:
+        together = []
+        monkeypatch.setattr(Executor, "_one_token_kernel",
+                            lambda self, layer, segs, q: together.append(len(segs)) or all(s.n == 1 for s in segs))
     path = tiny_model("llama")
     eng = open_batched(path, "sim", None)
     ffn_sides = [Placement.CPU, Placement.STREAMED, Placement.RESIDENT]
@@ -419,3 +434,5 @@ def test_batch_over_host_resident_kv_matches_alone(tiny_model):
     assert not any(pool.on_gpu for pool in eng.executor.kv.pools)
     assert_nothing_held(eng)
     eng.close()
+    if one_token_kernel:
+        assert max(together) >= 2

@@ -399,3 +399,50 @@ def test_long_contexts_take_the_paged_path():
     per_token = 2 * 8 * 128 * 2
     assert graphs.fits_padded_context(4096, per_token) and not graphs.fits_padded_context(4097, per_token)
     assert graphs.fits_padded_context(8192, per_token // 2)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_token_kernel_gives_each_sequence_its_own_bits_in_a_batch(dtype):
+    """A batch's decode tokens attend together (`attend_one_token_batch`, every context padded to the
+    longest, KV in a strided [B, L, kv_heads, d] gather as the padded reads give it): each row the bits
+    of `attend_one_token` over that sequence's exact context alone."""
+    torch.manual_seed(1)
+    for heads, kvh, d, lengths in ((4, 2, 16, (5, 37, 1)), (32, 8, 128, (300, 17, 129, 64)), (32, 4, 128, (1000, 999))):
+        b, pad = len(lengths), max(lengths)
+        q = torch.randn(b, heads, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(b, pad, kvh, d, device="cuda", dtype=dtype).transpose(1, 2) for _ in range(2))
+        valid = torch.arange(pad, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]
+        got = dense.attend_one_token_batch(q, k, v, valid)
+        for i, n in enumerate(lengths):
+            alone = dense.attend_one_token(q[i][:, None], k[i, :, :n].contiguous(), v[i, :, :n].contiguous(),
+                                           graphs.visible(n, n - 1, None, "cuda"))
+            assert torch.equal(got[i], alone[:, 0]), (heads, lengths, i)
+
+
+@cuda
+@pytest.mark.parametrize("kv_layers", [0, 2])
+def test_batched_decode_over_vram_and_host_kv_gives_each_stream_its_solo_tokens_on_cuda(tiny_model, monkeypatch,
+                                                                                          kv_layers):
+    """Several streams decoding together on the GPU, their caches in VRAM (kv_layers 2) or in host memory
+    (0: one padded gather and copy per layer for the batch's decode tokens): each stream's tokens are
+    those it gets alone."""
+    _open_on_the_cpu_plan(monkeypatch)
+    path = tiny_model("llama3")
+    prompts = ["the quick brown fox", "one two three", "a b c d e f", " ".join(["hello there"] * 20)]
+    eng = engine.open_model(path, device="cuda", backend="torch", vram_budget="3GiB", speculative=False)
+    placement = {s.name: (Placement.STREAMED if s.name.endswith(".attn") else Placement.CPU)
+                 for s in eng.spec.sublayers}
+    planset = PlanSet(eng.budget, [Plan(t, "manual", dict(placement), 2, kv_layers=kv_layers) for t in eng.tiers])
+    eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
+    eng.set_vram_budget(eng.budget)
+    together = []
+    real = eng.executor._one_token_kernel
+    eng.executor._one_token_kernel = lambda layer, segs, q: together.append(len(segs)) or real(layer, segs, q)
+    solo = [[e.token_id for e in eng.generate(p, max_new_tokens=16) if e.token_id is not None] for p in prompts]
+    handles = [eng.submit(p, max_new_tokens=16) for p in prompts]
+    batched = [h.result().token_ids for h in handles]
+    assert [p.on_gpu for p in eng.executor.kv.pools] == [i < kv_layers for i in range(len(eng.executor.kv.pools))]
+    eng.close()
+    assert max(together) >= 2
+    assert batched == solo

@@ -272,8 +272,8 @@ def test_native_expert_kernel_matches_transformers(tiny_model, arch, monkeypatch
         pytest.skip(f"no native kernel: {kernels.status()}")
     monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)
     calls = []
-    real = kernels.linear_many
-    monkeypatch.setattr(kernels, "linear_many", lambda xs, ws, **kw: calls.append(len(xs)) or real(xs, ws, **kw))
+    real = kernels._batch                              # (every batched native job: linear_many, linear_stacked)
+    monkeypatch.setattr(kernels, "_batch", lambda dtype, xp, *a: calls.append(len(xp)) or real(dtype, xp, *a))
     path = tiny_model(arch)
     ids = IDS[:12]                                      # few enough rows per expert for the kernel
     ref = transformers_logits(path, ids)

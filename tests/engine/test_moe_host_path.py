@@ -83,6 +83,7 @@ def test_linear_stacked_matches_linear_many(dtype):
 @pytest.mark.parametrize("arch,dtype", [("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16"), ("mixtral", "bfloat16")])
 def test_decode_path_matches_linear_many_path(tiny_model, arch, dtype, monkeypatch):
     monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)       # tiny matrices through the kernel
+    monkeypatch.setattr(moe, "_BULK", False)            # (the prompt's steps: the linear_many path too)
     calls = []
     real = kernels.linear_stacked
     monkeypatch.setattr(kernels, "linear_stacked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -297,3 +298,66 @@ def test_a_batch_routing_more_than_four_rows_to_an_expert_keeps_the_native_job(m
                 moe._add_expert(want, a, b, moe._expert(w, j, want.h[want.rows[a:b]]), False)
     assert jobs and max(jobs) > 4
     assert torch.allclose(moe.finish(got).float(), moe.finish(want).float(), rtol=3e-2, atol=3e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fused_gate_up", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("tokens", [2, 5, 16])
+def test_batch_step_in_bulk_matches_expert_by_expert(arch, dtype, fused_gate_up, tokens, monkeypatch):
+    """A batch's step on the CPU (`moe._experts_batch`: one gather, one native job per projection over the
+    routed experts with their row counts, one `index_add_`) gives the bits of the per-expert `linear_many`
+    path, over all groups of a layer or a consecutive part of them; groups that are not consecutive take
+    the per-expert path."""
+    monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(kernels, "MIN_WEIGHTS_16BIT", 0)
+    bulk = []
+    real = moe._experts_batch
+    monkeypatch.setattr(moe, "_experts_batch", lambda parts, s: bulk.append(real(parts, s)) or bulk[-1])
+    for seed in range(4):
+        cfg, router, groups, g = _moe_layer(arch, dtype, fused_gate_up, seed, "cpu")
+        x = torch.randn(tokens, 32, generator=g).to(dtype)
+        for parts in (groups, groups[1:], [groups[0], groups[2]]):
+            results = []
+            for on in (True, False):
+                monkeypatch.setattr(moe, "_BULK", on)
+                bulk.clear()
+                s = moe.router_block(cfg, router, x)
+                s = moe.experts_blocks(cfg, parts, s)
+                results.append(s.out)
+                consecutive = all(a[1].stop == b[1].start for a, b in itertools.pairwise(parts))
+                assert bulk == ([True] if on and consecutive else [None] if on else []), (on, bulk)
+            assert results[0] is not None and torch.equal(results[0], results[1]), (seed, len(parts))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n", [2048, 37])
+def test_scatter_add_matches_index_add_one_index_at_a_time(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    out0 = (torch.randn(5, n, generator=g) * 4).to(dtype)
+    rows = torch.tensor([3, 0, 3, 3, 1, 0, 4, 3])
+    y = torch.randn(len(rows), n, generator=g).to(dtype)
+    want = out0.clone()
+    for i in range(len(rows)):
+        want.index_add_(0, rows[i:i + 1], y[i:i + 1])
+    got = out0.clone()
+    assert kernels.scatter_add(got, rows, y)
+    assert torch.equal(got, want)
+    assert not kernels.scatter_add(got, torch.tensor([0, 5, 1, 1, 1, 1, 1, 1]), y)          # a row out of range
+    assert not kernels.scatter_add(got, rows, y.float() if dtype != torch.float32 else y.half())
+    assert torch.equal(got, want)
+
+
+@needs_kernel
+def test_batch_step_without_the_scatter_kernel_adds_rank_by_rank(monkeypatch):
+    """Without `kernels.scatter_add`, the bulk path adds one `index_add_` per rank of a pair among its
+    token's pairs: the same bits."""
+    monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)
+    cfg, router, groups, g = _moe_layer("qwen3_moe", torch.bfloat16, True, 0, "cpu")
+    x = torch.randn(9, 32, generator=g).to(torch.bfloat16)
+    want = moe.experts_blocks(cfg, groups, moe.router_block(cfg, router, x)).out
+    monkeypatch.setattr(kernels, "scatter_add", lambda *a: False)
+    got = moe.experts_blocks(cfg, groups, moe.router_block(cfg, router, x)).out
+    assert torch.equal(got, want)
