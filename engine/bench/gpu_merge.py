@@ -219,6 +219,29 @@ def ratio_table(rs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def vl_table(vl: list[dict]) -> str:
+    """The vision-language rows (`--part vl`): time to first token with the image, decode, peak."""
+    if not vl:
+        return "(not run yet: `--part vl`)"
+    lines = [("| model | budget | system | peak VRAM GiB (NVML) | fits | prompt tokens (image) | time to first token s "
+              "| decode t/s (tokens) | configuration |"), "|---|---|---|---:|---|---:|---:|---:|---|"]
+    for r in sorted(vl, key=lambda r: (r.get("budget_bytes") or 0, r["system"] != "slipstream")):
+        fits = "-" if r.get("fits") is None else ("yes" if r["fits"] else "**no**")
+        plan = r.get("plan") or {}
+        if r["system"] == "slipstream":
+            tier1 = (plan.get("lm_tier1") or {}).get("plan")
+            config = f"vision pass on {r.get('vision_where')} ({_f(r.get('vision_ms'), '{:.0f}')} ms), LM decode {tier1}"
+        else:
+            config = (f"{plan['modules_on_gpu']}/{plan['modules']} modules on GPU"
+                      if isinstance(plan, dict) and "modules" in plan else "")
+        if r.get("error"):
+            config += f"; {r['error']}"
+        lines.append(f"| {r['model']} | {r['budget']} | {r['system']} | {_gib(r.get('peak_vram_bytes'))} | {fits} | "
+                     f"{r.get('prompt_tokens') or '-'} ({r.get('image_tokens') or '-'}) | {_f(r.get('ttft_s'), '{:.2f}')} | "
+                     f"{_f(r.get('decode_tps'), '{:.2f}')} ({r.get('new_tokens') or '-'}) | {config} |")
+    return "\n".join(lines)
+
+
 def corun_table(corun: list[dict]) -> str:
     if not corun:
         return "(no co-run yet)"
@@ -258,6 +281,8 @@ def markdown(result: dict) -> str:
             f"issue sets a target, llama.cpp-default and the bound); targets apply to {TARGET_AT[0]} at "
             f"{TARGET_AT[1]}, other rows are reported.{beyond_bound(result.get('ratios') or [])}"
             f"\n\n{ratio_table(result.get('ratios') or [])}\n\n"
+            f"## Vision-language (Qwen2.5-VL-7B shape, one 2560x1440 image)\n\n{VL_NOTE}\n\n"
+            f"{vl_table(result.get('vl') or [])}\n\n"
             f"## Co-run (game stand-in on the same GPU)\n\n{corun_table(result['corun'])}\n\n"
             f"{probe_lines(result.get('parts') or {})}"
             f"## Other GPU runs (issues 7 and 8; docs/benchmarks/README.md explains them)\n\n"
@@ -265,6 +290,13 @@ def markdown(result: dict) -> str:
             "Plots: `results_decode.png`, `results_prefill.png`, `results_ttft.png` (time to first token), "
             "`corun_timeline.png`.\n")
 
+
+VL_NOTE = ("Random bf16 weights of the shape, the same in both systems; a short question about one synthetic "
+           "2560x1440 picture. Time to first token counts the image's preprocessing, the vision pass and the "
+           "prefill of the whole prompt. Slipstream generates 32 tokens, accelerate 8 (it decodes at under 1 "
+           "token/s with most of the model in host memory). Fits: as in the table above (Slipstream's whole "
+           "process at most the budget; accelerate at most the budget plus the allowance). llama.cpp has no "
+           "row: the suite does not build its vision path.")
 
 NOTES = [
     ("Random weights of the named shapes (speed does not depend on values); Slipstream and accelerate run "
@@ -372,7 +404,8 @@ def merge(folders: list[Path], out: Path, dry_run: bool = False, say=print) -> i
         notes.append(f"Prefill not shown for {', '.join(withheld)}: measured over a prompt of one repeated byte, "
                      "which a MoE router sends to a few experts (a real prompt, and llama-bench's random tokens, "
                      "touch them all); the raw figures stay in the part file as prefill*_tps_repeated_prompt.")
-    result = {"machine": machine, "date": now_iso(), "rows": rows, "ratios": ratios(rows), "corun": corun,
+    vl = [r for r in parts.get("vl", {}).get("rows", []) if not r.get("pending")]
+    result = {"machine": machine, "date": now_iso(), "rows": rows, "ratios": ratios(rows), "corun": corun, "vl": vl,
               "notes": notes,
               "related": related(out),
               "parts": {n: {k: p.get(k) for k in ("started", "updated")}

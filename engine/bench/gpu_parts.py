@@ -45,7 +45,8 @@ def run_part(name: str, args, machine: dict, command: str) -> int:
     deadline = Deadline(args.deadline_epoch)
     try:
         fn = {"build-llamacpp": part_build, "gguf": part_gguf, "llamacpp": part_llamacpp,
-              "slipstream": part_slipstream, "accelerate": part_accelerate, "corun": part_corun}[name]
+              "slipstream": part_slipstream, "accelerate": part_accelerate, "corun": part_corun,
+              "vl": part_vl}[name]
         return fn(args, part, deadline, command)
     finally:
         part.save()
@@ -311,6 +312,20 @@ def part_accelerate(args, part: Partial, deadline, command: str) -> int:
             say(f"accelerate {scenario.model}: failed: {type(exc).__name__}: {exc}")
             part.meta.setdefault("errors", []).append(f"{scenario.model}: {type(exc).__name__}: {exc}")
         part.pack_logs()
+    return 0
+
+
+def part_vl(args, part: Partial, deadline, command: str) -> int:
+    """The vision-language scenario (`engine.bench.vl_runs`): Slipstream and accelerate per budget."""
+    from engine.bench.vl_runs import run_vl
+    from engine.bench.vram_poll import bare_context_bytes
+
+    use_profile(part, "sim" if args.dry_run else "cuda")
+    if "allowance_torch" not in part.meta:
+        part.meta["allowance_torch"] = bare_context_bytes()
+    systems = tuple(s for s in (args.vl_systems or "slipstream,accelerate").split(","))
+    run_vl(args, part, deadline, command, pick_budgets(args.budgets, args.dry_run), int(part.meta["allowance_torch"]),
+           systems, say=say)
     return 0
 
 

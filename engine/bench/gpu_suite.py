@@ -9,6 +9,8 @@ several, each runs in its own process, in order):
   slipstream      Slipstream rows (random weights on the GPU), with the plan it chose
   accelerate      transformers + accelerate device_map offload rows
   corun           the game stand-in beside Slipstream (auto mode) and beside llama.cpp (fixed -ngl)
+  vl              the Qwen2.5-VL-7B shape with a 2560x1440 image: Slipstream and accelerate per budget
+                  (time to first token, decode, peak; engine.bench.vl_runs)
   merge           part-*.json (from --out and --prior) -> results.json, results.md, PNG plots (+ bound rows)
 Each part (but build-llamacpp and gguf) writes `part-<name>.json` after every row and packs its raw logs to `<name>-logs.tar.xz` in
 --out; rows already in `--prior` files are not run again. `SLIPSTREAM_BENCH_DEADLINE` (epoch seconds) or
@@ -28,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("build-llamacpp", "gguf", "llamacpp", "slipstream", "accelerate", "corun", "merge")
+PARTS = ("build-llamacpp", "gguf", "llamacpp", "slipstream", "accelerate", "corun", "vl", "merge")
 ENGINE_PARTS = ("slipstream",)    # parts that open an engine per shape: one process per shape
                                    # (accelerate runs the dense shape only unless --models says more)
 
@@ -59,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="slipstream: the app's wiring (monitor budget -> set_vram_budget); slipstream+overhead: "
                         "the budget less the engine's measured non-budget VRAM (CUDA context, cache); llama.cpp")
     g.add_argument("--cap", default="24GiB", help="co-run: the card's size")
+    g.add_argument("--vl-systems", default=None, help="vl: systems, comma-separated (default: slipstream,accelerate)")
     g.add_argument("--phases", default="6GiB:20,16GiB:25,6GiB:20", help="co-run: game working set:seconds")
     g.add_argument("--results-dir", default=None, help="merge: where results.json/.md/PNGs go (default --out)")
 

@@ -43,7 +43,8 @@ SCENARIOS: dict[str, Scenario] = {
     "qwen3-30b-a3b": Scenario("qwen3-30b-a3b", "moe", "qwen3-30b-a3b", layers=24,
                               note="24 of its 48 layers (half the weights: 31 GB in 16-bit)",
                               llamacpp_prompts=(512,), llamacpp_tuned=("attn-gpu", "nommap+attn-gpu")),
-    "qwen2.5-vl-7b": Scenario("qwen2.5-vl-7b", "vl", "", note="a 1440p image; not built yet", later=True),
+    # (its own part, `--part vl`: engine.bench.vl_runs; the engine parts skip it)
+    "qwen2.5-vl-7b": Scenario("qwen2.5-vl-7b", "vl", "", note="a 2560x1440 image: --part vl", later=True),
 }
 DRY_SCENARIOS: dict[str, Scenario] = {
     "tiny-llama": Scenario("tiny-llama", "dense", "tiny-llama", note="dry run: tiny shape"),

@@ -149,3 +149,37 @@ def test_targets_beyond_the_bound_are_named():
     assert "decode is 10.50 tokens/s, the bound 11.00" in text and "prefill 512 is 3000" in text
     assert "prefill 4096" not in text
     assert beyond_bound(rs[4:]) == ""
+
+
+def test_the_vl_part_runs_resumes_and_merges(tmp_path, monkeypatch):
+    """`--part vl` (dry run: the tiny Qwen2.5-VL shape on the sim device, Slipstream only) writes a row per
+    budget with the time to first token over the image prompt; a second call skips what is done; the merge
+    puts the rows in results.json and a table of their own in results.md."""
+    from engine.bench import gpu_suite
+
+    monkeypatch.setenv("SLIPSTREAM_BENCH_WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+    argv = ["--part", "vl", "--dry-run", "--budgets", "2MiB", "--vl-systems", "slipstream", "--out", str(out)]
+    assert gpu_suite.main(argv) == 0
+    rows = json.loads((out / "part-vl.json").read_text())["rows"]
+    assert len(rows) == 1 and not rows[0].get("error"), rows
+    row = rows[0]
+    assert (row["system"], row["model"], row["budget"]) == ("slipstream", "tiny-vl", "2MiB")
+    assert row["ttft_s"] > 0 and row["new_tokens"] == 32 and row["image_tokens"] > 100
+    assert row["prompt_tokens"] > row["image_tokens"] and row["vision_where"] in ("cpu", "gpu", "sim")
+    assert gpu_suite.main(argv + ["--prior", str(out)]) == 0          # resumes: nothing run again
+    again = json.loads((out / "part-vl.json").read_text())["rows"]
+    assert again == rows
+    assert merge([out], tmp_path / "res") == 0
+    result = json.loads((tmp_path / "res" / "results.json").read_text())
+    assert [r["model"] for r in result["vl"]] == ["tiny-vl"]
+    assert "| tiny-vl | 2MiB | slipstream |" in (tmp_path / "res" / "results.md").read_text()
+
+
+def test_vl_rows_fit_by_the_suite_rule():
+    from engine.bench.vl_runs import row_for
+
+    res = {"nvml_peak_bytes": 4 * GiB + 100, "ttft_s": 3.0, "decode_tps": 2.0}
+    assert row_for("slipstream", "m", "4GiB", 4 * GiB, res, 500, 32, "c")["fits"] is False   # whole process
+    assert row_for("accelerate", "m", "4GiB", 4 * GiB, res, 500, 8, "c")["fits"] is True     # + allowance
+    assert row_for("accelerate", "m", "4GiB", 4 * GiB, {"error": "x"}, 500, 8, "c")["fits"] is None
