@@ -842,15 +842,33 @@ class PagedKVCache:
         pass per stored part (into pinned memory where `device` is a GPU) and copied over in one queued
         copy each (the host does not wait), then dequantized there; `valid` on `device`."""
         pool = self.pools[layer]
-        rows, valid = self._padded_rows(seqs, pool.k.device, device)
+        blocks, valid = self._padded_blocks(seqs, device)
         pin = device.type == "cuda"
         parts = []
         for p in pool.parts:
-            flat = p.view(-1, *p.shape[2:])
-            buf = torch.empty((rows.numel(), *flat.shape[1:]), dtype=flat.dtype, pin_memory=pin)
-            torch.index_select(flat, 0, rows, out=buf)
-            parts.append(buf.to(device, non_blocking=True))
+            # whole blocks, each one contiguous run of bytes (on the host a gather of single positions
+            # copied a quarter as fast: 1.8 ms against 0.47 for 16 sequences of 100 positions, 2 cores)
+            buf = torch.empty((blocks.numel(), p[0].numel()), dtype=p.dtype, pin_memory=pin)
+            torch.index_select(p.view(p.shape[0], -1), 0, blocks, out=buf)
+            parts.append(buf.to(device, non_blocking=True).view(-1, *p.shape[2:]))
         return self._padded(pool, parts, len(seqs), valid)
+
+    def _padded_blocks(self, seqs: list[tuple[Sequence, int]],
+                       valid_device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool blocks of the first `length` positions of each (sequence, length), padded to the most
+        blocks with block 0 ([B * n], on the host), and the bool [B, n * BLOCK_SIZE] marking the real
+        positions (on `valid_device`); kept for the step's other layers."""
+        key = ("padded-blocks", *((length, tuple(seq.block_table[:-(-length // BLOCK_SIZE)])) for seq, length in seqs))
+        vkey = ("valid-blocks", valid_device, *key[1:])
+        blocks, valid = self._index_memo.get(key), self._index_memo.get(vkey)
+        if blocks is None or valid is None:
+            width = max(len(b) for _, b in key[1:])
+            blocks = self._memo_index(key, torch.tensor([b + (0,) * (width - len(b)) for _, b in key[1:]],
+                                                        dtype=torch.long).reshape(-1), torch.device("cpu"))
+            lengths = torch.tensor([length for length, _ in key[1:]])
+            valid = self._memo_index(vkey, torch.arange(width * BLOCK_SIZE)[None, :] < lengths[:, None],
+                                     valid_device)
+        return blocks, valid
 
     def _padded(self, pool: LayerPool, parts: list[torch.Tensor], n: int, valid: torch.Tensor):
         k, v = self._dequantized(pool, parts)

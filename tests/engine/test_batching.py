@@ -392,8 +392,8 @@ def test_a_failing_step_fails_its_requests_and_the_batch_goes_on(tiny_model):
     eng.close()
 
 
-@pytest.mark.parametrize("one_token_kernel", [False, True])
-def test_batch_over_host_resident_kv_matches_alone(tiny_model, one_token_kernel, monkeypatch):
+@pytest.mark.parametrize("one_token_kernel,kv_dtype", [(False, None), (True, None), (True, "fp8")])
+def test_batch_over_host_resident_kv_matches_alone(tiny_model, one_token_kernel, kv_dtype, monkeypatch):
     """Attention streamed to the (simulated) GPU while every layer's KV cache stays in host memory, as
     small budgets plan their prefill tiers: batched decodes and prefill chunks keep their solo tokens.
     `one_token_kernel`: the decode tokens take the GPU's one-token kernel as on CUDA (here on the CPU), a
@@ -407,7 +407,7 @@ def test_batch_over_host_resident_kv_matches_alone(tiny_model, one_token_kernel,
         monkeypatch.setattr(Executor, "_one_token_kernel",
                             lambda self, layer, segs, q: together.append(len(segs)) or all(s.n == 1 for s in segs))
     path = tiny_model("llama")
-    eng = open_batched(path, "sim", None)
+    eng = open_batched(path, "sim", None, **({"kv_dtype": kv_dtype} if kv_dtype else {}))
     ffn_sides = [Placement.CPU, Placement.STREAMED, Placement.RESIDENT]
 
     def host_kv(budget, kv_tokens=None):
@@ -429,8 +429,12 @@ def test_batch_over_host_resident_kv_matches_alone(tiny_model, one_token_kernel,
         assert eng.step_batch()
     handles += [eng.submit(p, max_new_tokens=12, background=False) for p in PROMPTS[2:]]
     drain(eng)
+    ref = engine.open_model(path, device="cpu", backend="torch", kv_dtype="fp8", speculative=False) if kv_dtype else None
     for i, (p, h) in enumerate(zip(PROMPTS, handles)):
-        assert events(h) == alone(path, p, max_new_tokens=16 if i < 2 else 12), p
+        n = 16 if i < 2 else 12
+        assert events(h) == (events(ref.generate(p, max_new_tokens=n)) if ref else alone(path, p, max_new_tokens=n)), p
+    if ref:
+        ref.close()
     assert not any(pool.on_gpu for pool in eng.executor.kv.pools)
     assert_nothing_held(eng)
     eng.close()
