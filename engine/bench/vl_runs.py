@@ -75,8 +75,11 @@ def run_vl(args, part, deadline, command: str, budgets: list[tuple[str, int]], a
                 new_tokens = SLIPSTREAM_NEW_TOKENS if system == "slipstream" else ACCELERATE_NEW_TOKENS
                 ns = SimpleNamespace(device=device, shape=shape, budget=budget_bytes, new_tokens=new_tokens,
                                      config_dir=config_dir, profile_db=profile_db)
-                res = vlm_bench.spawn(system, ns, deadline.cap(LIMITS[system]))
+                limit = deadline.cap(LIMITS[system])
+                res = vlm_bench.spawn(system, ns, limit)
                 row = row_for(system, model, budget, budget_bytes, res, allowance, new_tokens, command)
+                if row.get("error") and limit < LIMITS[system]:
+                    row["pending"] = True          # cut short by the call's end: a later call runs it again
                 part.add(row)
                 (part.log_dir / f"{system}-{budget}.txt").write_text("\n".join(res.get("log_tail") or []) + "\n")
                 say(f"  vl {system} {budget}: TTFT {row['ttft_s']} s, decode {row['decode_tps']} t/s, peak NVML "

@@ -183,3 +183,28 @@ def test_vl_rows_fit_by_the_suite_rule():
     assert row_for("slipstream", "m", "4GiB", 4 * GiB, res, 500, 32, "c")["fits"] is False   # whole process
     assert row_for("accelerate", "m", "4GiB", 4 * GiB, res, 500, 8, "c")["fits"] is True     # + allowance
     assert row_for("accelerate", "m", "4GiB", 4 * GiB, {"error": "x"}, 500, 8, "c")["fits"] is None
+
+
+def test_a_vl_run_cut_short_by_the_calls_end_is_left_for_a_later_call(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from engine.bench import vl_runs, vlm_bench
+
+    monkeypatch.setenv("SLIPSTREAM_BENCH_WORK", str(tmp_path / "work"))
+    part = Partial(tmp_path / "out", "vl")
+    key = row_key({"system": "slipstream", "model": vl_runs.DRY_MODEL, "budget": "2MiB", "scenario": vl_runs.SCENARIO})
+    limits = []
+
+    def spawn(system, ns, limit, result):
+        limits.append(limit)
+        return dict(result)
+
+    args = SimpleNamespace(dry_run=True)
+    monkeypatch.setattr(vlm_bench, "spawn", lambda s, ns, limit: spawn(s, ns, limit, {"error": "no result within"}))
+    vl_runs.run_vl(args, part, Deadline(time.time() + 120), "cmd", [("2MiB", 2 << 20)], 0, ("slipstream",))
+    assert limits[-1] < vl_runs.LIMITS["slipstream"] and not part.has(key)       # cut by the call's end
+    monkeypatch.setattr(vlm_bench, "spawn", lambda s, ns, limit: spawn(s, ns, limit, {"ttft_s": 1.0}))
+    vl_runs.run_vl(args, part, Deadline(), "cmd", [("2MiB", 2 << 20)], 0, ("slipstream",))
+    assert part.has(key) and len(part.rows) == 1 and part.rows[0]["ttft_s"] == 1.0
+    vl_runs.run_vl(args, part, Deadline(), "cmd", [("2MiB", 2 << 20)], 0, ("slipstream",))
+    assert len(limits) == 2                                                        # done: not run again
