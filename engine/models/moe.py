@@ -286,10 +286,10 @@ def _experts_batch(parts, s: MoeState) -> bool | None:
     consecutive: a fixed number of tensor ops, whatever the number of routed experts. The routed pairs'
     rows are gathered once (they are sorted by expert), each projection is one native job over the
     experts picked from the groups' stacks with their row counts (`kernels.linear_stacked`), and the
-    weighted outputs are added pair by pair in that order in one native call (`kernels.scatter_add`; without
-    the kernel, one `index_add_` per rank of a pair among its token's pairs, `_ranks`), so each token's
-    outputs go into the sum in ascending expert order, one rounding each, as one `index_add_` per expert
-    adds them. The per-expert path took about six tensor ops per routed
+    weighted outputs are added pair by pair in that order in one native call (`kernels.scatter_add`), so
+    each token's outputs go into the sum in ascending expert order, one rounding each, as one `index_add_`
+    per expert adds them (PyTorch's one `index_add_` over all the pairs would not: it sums a row's repeated
+    16-bit additions at a wider precision). The per-expert path took about six tensor ops per routed
     expert (a batch of 16 routes to about 80 of a Qwen3-30B-A3B layer's 128). True: done; None: the
     kernel does not apply here (nothing done)."""
     b = s.bounds
@@ -331,22 +331,11 @@ def _experts_batch(parts, s: MoeState) -> bool | None:
     out = _sum(s)
     yw = (y * s.weights[lo:hi, None]).to(out.dtype)
     if not kernels.scatter_add(out, rows, yw):
-        for at in _ranks(rows):
-            out.index_add_(0, rows.index_select(0, at), yw.index_select(0, at))
+        at = 0
+        for c in counts:                # (one index_add_ per expert, as the per-expert path adds them)
+            out.index_add_(0, rows[at:at + c], yw[at:at + c])
+            at += c
     return True
-
-
-def _ranks(rows: torch.Tensor) -> list[torch.Tensor]:
-    """The pairs (positions in `rows`, the token row of each pair sorted by expert) by their rank among
-    their token's pairs: list r holds each token's r-th pair. One `index_add_` per rank adds every token's
-    outputs in ascending expert order with one rounding each, as one `index_add_` per expert does; one
-    `index_add_` over all the pairs would not (PyTorch's CPU kernel then sums a row's repeated 16-bit
-    additions at a wider precision)."""
-    r = rows.numpy()
-    order = np.argsort(r, kind="stable")
-    rank = np.empty_like(order)
-    rank[order] = np.arange(len(r)) - np.searchsorted(r[order], r[order], side="left")
-    return [torch.from_numpy(np.flatnonzero(rank == k)) for k in range(int(rank.max()) + 1)] if len(r) else []
 
 
 def _experts_decode(parts, s: MoeState) -> bool | None:

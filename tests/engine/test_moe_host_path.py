@@ -351,9 +351,9 @@ def test_scatter_add_matches_index_add_one_index_at_a_time(dtype, n):
 
 
 @needs_kernel
-def test_batch_step_without_the_scatter_kernel_adds_rank_by_rank(monkeypatch):
-    """Without `kernels.scatter_add`, the bulk path adds one `index_add_` per rank of a pair among its
-    token's pairs: the same bits."""
+def test_batch_step_without_the_scatter_kernel_adds_expert_by_expert(monkeypatch):
+    """Where `kernels.scatter_add` declines, the bulk path adds one `index_add_` per expert: the same
+    bits."""
     monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)
     cfg, router, groups, g = _moe_layer("qwen3_moe", torch.bfloat16, True, 0, "cpu")
     x = torch.randn(9, 32, generator=g).to(torch.bfloat16)
