@@ -832,15 +832,16 @@ class PagedKVCache:
         """Keys and values of the first `length` positions of several (sequence, length), padded to the
         longest: K, V [B, kv_heads, L, head_dim] and a bool [B, L] marking the real positions."""
         pool = self.pools[layer]
-        rows, valid = self._padded_rows(seqs, pool.k.device, pool.k.device)
+        rows, valid = self._padded_rows(seqs, pool.k.device)
         parts = [p.view(-1, *p.shape[2:]).index_select(0, rows) for p in pool.parts]
         return self._padded(pool, parts, len(seqs), valid)
 
     def read_padded_to(self, layer: int, seqs: list[tuple[Sequence, int]],
                        device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """read_padded() of a host pool onto `device`: the sequences' rows gathered on the host in one
-        pass per stored part (into pinned memory where `device` is a GPU) and copied over in one queued
-        copy each (the host does not wait), then dequantized there; `valid` on `device`."""
+        """read_padded() of a host pool onto `device`, each context padded to whole blocks: the sequences'
+        blocks gathered on the host in one pass per stored part (into pinned memory where `device` is a
+        GPU) and copied over in one queued copy each (the host does not wait), then dequantized there;
+        `valid` on `device`."""
         pool = self.pools[layer]
         blocks, valid = self._padded_blocks(seqs, device)
         pin = device.type == "cuda"
@@ -875,15 +876,14 @@ class PagedKVCache:
         shape = (n, valid.shape[1], *k.shape[1:])
         return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2), valid
 
-    def _padded_rows(self, seqs: list[tuple[Sequence, int]], pool_device: torch.device,
-                     valid_device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _padded_rows(self, seqs: list[tuple[Sequence, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The flat pool rows of the first `length` positions of each (sequence, length), padded to the
-        longest with row 0 ([B * L], on the pool's device), and the bool [B, L] marking the real ones (on
-        `valid_device`); kept for the step's other layers."""
+        longest with row 0 ([B * L]), and the bool [B, L] marking the real ones, both on `device` (the
+        pool's); kept for the step's other layers."""
         longest = max(length for _, length in seqs)
-        key = ("padded", pool_device, longest, *((length, tuple(seq.block_table[:-(-length // BLOCK_SIZE)]))
-                                                 for seq, length in seqs))
-        vkey = ("valid", valid_device, *key[2:])
+        key = ("padded", device, longest, *((length, tuple(seq.block_table[:-(-length // BLOCK_SIZE)]))
+                                            for seq, length in seqs))
+        vkey = ("valid", *key[1:])
         rows = self._index_memo.get(key)
         valid = self._index_memo.get(vkey)
         if rows is None or valid is None:
@@ -893,8 +893,8 @@ class PagedKVCache:
             lengths = torch.tensor([length for length, _ in key[3:]])
             real = pos[None, :] < lengths[:, None]                             # [B, L]
             flat = torch.where(real, tables[:, pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE, 0)
-            rows = self._memo_index(key, flat.reshape(-1), pool_device)
-            valid = self._memo_index(vkey, real, valid_device)
+            rows = self._memo_index(key, flat.reshape(-1), device)
+            valid = self._memo_index(vkey, real, device)
         return rows, valid
 
     def _dequantized(self, pool: LayerPool, parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
