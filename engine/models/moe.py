@@ -146,7 +146,8 @@ def experts_blocks(cfg: ModelConfig, parts: list[tuple[dict[str, torch.Tensor], 
     run on the CPU together), experts in ascending order.
 
     On the CPU, where every routed expert has at most `kernels.max_rows_many` tokens (decode, batches),
-    the routed experts' matmuls go to the native kernel as one pool job per projection (`linear_many`):
+    the routed experts' matmuls go to the native kernel as one pool job per projection (`_experts_decode`,
+    `_experts_batch`; `linear_many` where the groups are not consecutive):
     expert matrices are too small for a pool wake-up each, and PyTorch's few-row bf16 path reaches a
     fraction of DRAM speed. Otherwise each expert runs alone: a one-token step (decode) skips the gather
     and the scatter (the expert reads the token's row as is and adds its weighted output in one fused
@@ -239,8 +240,9 @@ def _add_expert(s: MoeState, a: int, b: int, y: torch.Tensor, single: bool) -> N
 
 
 def _experts_native(cfg: ModelConfig, parts, s: MoeState) -> bool:
-    """The routed experts of `parts` through `kernels.linear_many`; False (nothing done) where it does
-    not apply."""
+    """The routed experts of `parts` through the native kernel (one token: `_experts_decode`; more:
+    `_experts_batch`, else `kernels.linear_many` expert by expert); False (nothing done) where it does not
+    apply."""
     if s.h.shape[0] == 1:
         done = _experts_decode(parts, s)
         if done is not None:
