@@ -8,7 +8,8 @@ several layers so that every step reads its experts from DRAM; for one token and
 Prints, per batch size, the median milliseconds of the router and of the experts (and of the experts'
 time, how much was spent inside the native jobs: the rest is host work), the distinct experts
 the batch touched, the GB/s of their weights read, and the path they took (the native kernel over every
-routed expert in one call, or PyTorch expert by expert where one has more rows than `kernels.max_rows_many`);
+routed expert in one call (on AMX tiles past 16 rows an expert, where the CPU has them), or PyTorch expert
+by expert where one has more rows than `kernels.max_rows_stacked`: 16 without the tiles);
 writes moe_cpu_experts.json (command, machine, date) under --out. The one-token row's fields stay at the
 top level, as earlier reports had them.
 """
@@ -84,7 +85,8 @@ def main(argv=None) -> int:
         kernel_ms = statistics.median(t_kernel[skip:]) * 1e3
         nbytes = statistics.median(touched) * expert_bytes
         path = ("native" if widest <= kernels.max_rows_many(torch.bfloat16)
-                else "PyTorch expert by expert: one had more rows than max_rows_many")
+                else "native, AMX tiles past 16 rows" if widest <= kernels.max_rows_stacked(torch.bfloat16)
+                else "PyTorch expert by expert: one had more rows than max_rows_stacked")
         rows.append({"batch": batch, "router_ms": round(router_ms, 4), "experts_ms": round(experts_ms, 4),
                      "kernel_ms": round(kernel_ms, 4), "bulk": moe._BULK,
                      "touched_experts": statistics.median(touched), "most_rows_per_expert": widest,

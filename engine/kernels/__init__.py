@@ -57,6 +57,7 @@ _busy = threading.Lock()       # held while the native pool runs a job
 _lib = None
 _why_not: str | None = None
 _attention_fast = False    # the library's decode attention is vector code (else PyTorch's SDPA is kept)
+_amx_tiles = False         # the library runs bf16 matmuls of many rows on AMX tiles (sl_amx_ready)
 _threads = 0
 
 
@@ -120,7 +121,7 @@ def _build() -> Path:
 
 def _load():
     """The loaded library, or None (and `_why_not` set)."""
-    global _lib, _why_not, _attention_fast
+    global _lib, _why_not, _attention_fast, _amx_tiles
     if _lib is not None or _why_not is not None:
         return _lib
     with _lock:
@@ -161,6 +162,9 @@ def _load():
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
+        lib.sl_amx_ready.restype = ctypes.c_int
+        if os.environ.get("SLIPSTREAM_CPU_AMX", "1") != "0":    # (0: no tiles, for A/B runs)
+            _amx_tiles = bool(lib.sl_amx_ready())
         _lib = lib
         return lib
 
@@ -201,7 +205,8 @@ def status(wait: bool = False) -> str:
     lib = _load()
     if lib is None:
         return f"torch ({_why_not})"
-    return f"native {_ISA.get(lib.sl_isa(), '?')}, {torch.get_num_threads()} threads"
+    tiles_note = ", AMX tiles past 16 rows" if _amx_tiles else ""
+    return f"native {_ISA.get(lib.sl_isa(), '?')}{tiles_note}, {torch.get_num_threads()} threads"
 
 
 _enabled = True
@@ -254,6 +259,26 @@ def max_rows_many(dtype: torch.dtype) -> int:
     16 tokens (up to 6) 47-49 against 51-71."""
     env = os.environ.get("SLIPSTREAM_NATIVE_MAX_ROWS")
     return int(env) if env else MAX_ROWS
+
+
+MAX_ROWS_STACKED = 1 << 16   # rows per expert in one `linear_stacked` job on AMX tiles (any prompt's)
+
+
+def max_rows_stacked(dtype: torch.dtype) -> int:
+    """The most rows per matrix in a `linear_stacked` job with `counts` (a step's routed experts): any
+    count for bf16 where the library runs many-row matmuls on AMX tiles (`tiles()`), else
+    `max_rows_many`. Past 16 rows the dot-product kernel stops being bound by DRAM; the tiles are not (a
+    512-token prompt routes about 32 rows to each of a Qwen3-30B-A3B layer's experts), and one job over
+    the picked experts replaces about seven PyTorch ops per expert."""
+    if dtype == torch.bfloat16 and tiles():
+        return MAX_ROWS_STACKED
+    return max_rows_many(dtype)
+
+
+def tiles() -> bool:
+    """Whether bf16 matmuls of more than 16 rows in the native library run on AMX tiles: the CPU has them,
+    Linux lends their state, a check product matched (`sl_amx_ready`), and SLIPSTREAM_CPU_AMX is not 0."""
+    return _enabled and not _building.is_set() and _load() is not None and _amx_tiles
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, min_weights: int | None = None) -> bool:
@@ -355,11 +380,11 @@ def linear_stacked(x: torch.Tensor, stacks: list[torch.Tensor], picks: list[tupl
     (every pick reads that row) or [len(picks), K], contiguous. Returns [len(picks), N], or None where the
     kernel does not apply (nothing is computed then). `min_weights` as in `linear_many`.
 
-    With `counts` (a batch's step: pick i takes the next counts[i] rows of x, 1 to `max_rows_many` each),
-    x is [sum(counts), K] and the result [sum(counts), N], rows in x's order."""
+    With `counts` (a batch's or a prompt's step: pick i takes the next counts[i] rows of x, 1 to
+    `max_rows_stacked` each), x is [sum(counts), K] and the result [sum(counts), N], rows in x's order."""
     m = len(picks)
     if counts is not None:
-        if len(counts) != m or (m and not 0 < min(counts) <= max(counts) <= max_rows_many(x.dtype)):
+        if len(counts) != m or (m and not 0 < min(counts) <= max(counts) <= max_rows_stacked(x.dtype)):
             return None
         rows_in = sum(counts)
     else:

@@ -27,6 +27,7 @@
 #endif
 
 #define MAX_THREADS 256
+#define MAX_BATCH 1024  /* matmuls in one sl_linear_batch call */
 #define ROWS 4      /* output rows computed together (one activation load feeds four weight rows) */
 #define MTILE 4     /* tokens computed together */
 /* Rows of fewer elements than this prefetch the next row block's same columns as they go: on a MoE
@@ -107,6 +108,7 @@ typedef struct {
     const void *x, *w, *bias;
     void *y;
     int64_t M, N, K;
+    const uint32_t *xp;   /* x packed for the AMX tiles (amx_prepare), or NULL */
 } linear_job;
 
 static inline float load_elem(int dtype, const void *p, int64_t i) {
@@ -233,9 +235,235 @@ static __attribute__((unused)) void dots_scalar(int dtype, const void *x, const 
         }
 }
 
+/* ---- AMX tiles for matmuls of many rows (bf16) ----------------------------------------------------
+ * Past MAX_AMX_ROWS rows (a prompt's routed experts: about 32 rows each at 512 tokens), the dot products
+ * above grow with the rows and the kernel stops being bound by DRAM. Where the CPU has AMX (and the OS
+ * lends the tile state: sl_amx_ready), such a matmul runs on the tile unit instead: 32 weight rows (two
+ * A tiles, read as they lie in memory) against 32 tokens (two B tiles, the activations packed once per
+ * block into pairs of k), into four float32 accumulator tiles: C^T = W X^T, 16 x 16 each, then rounded
+ * once to bf16 as the vector path rounds. The tile configuration is loaded at the start of every run and
+ * released at its end, so another library's tile use on the same thread (oneDNN inside PyTorch) never
+ * meets a stale configuration. */
+#define MIN_AMX_ROWS 17          /* fewer rows keep the vector path (and its bits: a batch's decode) */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#define AMX_ARCH_REQ_XCOMP_PERM 0x1023
+#define AMX_XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+static int amx_state = -1;                    /* -1 not asked, 0 unusable, 1 ready */
+static uint32_t *amx_buf;                     /* the packed activations of the current job's matmuls */
+static size_t amx_buf_cap;                    /* (in uint32; one job at a time: the Python side's lock) */
+#define AMX_KEEP (16u << 20)                  /* a larger buffer is given back after its job */
+
+static inline int64_t amx_blocks(int64_t M) { return (M + 31) / 32; }
+
+static void amx_begin(void) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Block b (tokens 32b .. 32b+31) of x [M, K] (bf16) as pairs of k: xp[kp * 32 + t] = (x[32b+t][2kp],
+ * x[32b+t][2kp+1]), tokens past M zero; the block starts at j->xp + b * K / 2 * 32. */
+static void amx_pack_block(const linear_job *j, int64_t b) {
+    const int64_t K2 = j->K / 2, m0 = 32 * b;
+    const int mc = (int)(j->M - m0 < 32 ? j->M - m0 : 32);
+    const uint32_t *src = (const uint32_t *)j->x + m0 * K2;
+    uint32_t *dst = (uint32_t *)j->xp + b * K2 * 32;
+    for (int64_t kp = 0; kp < K2; kp++) {
+        uint32_t *d = dst + kp * 32;
+        int t = 0;
+        for (; t < mc; t++) d[t] = src[t * K2 + kp];
+        for (; t < 32; t++) d[t] = 0;
+    }
+}
+
+typedef struct {
+    const linear_job *jobs;
+    const int64_t *first;     /* jobs[i]'s blocks are chunks first[i] .. first[i+1]-1 */
+    int n_jobs;
+} amx_pack_plan;
+
+static void amx_pack_chunk(const void *arg, int64_t c) {
+    const amx_pack_plan *p = (const amx_pack_plan *)arg;
+    int lo = 0, hi = p->n_jobs - 1;           /* the job whose blocks hold chunk c */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (p->first[mid] <= c) lo = mid;
+        else hi = mid - 1;
+    }
+    amx_pack_block(&p->jobs[lo], c - p->first[lo]);
+}
+
+/* y[m0 + t][n0 + r] for r < 16 * NB weight rows from n0, t < mc tokens, from the accumulator tiles */
+static inline void amx_store(const float c[2][2][16 * 16], int NB, const linear_job *j, int64_t n0, int64_t m0,
+                             int mc) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(16));
+    for (int a = 0; a < NB; a++) {
+        __m512 bias = j->bias ? load16(DT_BF16, j->bias, n0 + 16 * a, 0xffff) : _mm512_setzero_ps();
+        for (int t = 0; t < mc; t++) {
+            /* column t of tile (a, t / 16): the 16 weight rows' outputs for token t */
+            __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(t % 16)), c[a][t / 16], 4);
+            v = _mm512_add_ps(v, bias);
+            _mm256_storeu_si256((__m256i *)((uint16_t *)j->y + (m0 + t) * j->N + n0 + 16 * a),
+                                _mm512_cvtepi32_epi16(bf16_round_bits(v)));
+        }
+    }
+}
+
+/* 16 * NB weight rows from n0 against the 32 packed tokens (NB 1 or 2) */
+static inline __attribute__((always_inline)) void amx_block(const linear_job *j, const uint32_t *xp, int64_t n0,
+                                                            const int NB, float c[2][2][16 * 16]) {
+    const uint16_t *w = (const uint16_t *)j->w + n0 * j->K;
+    const int64_t K = j->K, stride = K * 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (NB == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t k = 0; k < K; k += 32) {
+        _tile_loadd(6, xp + k / 2 * 32, 128);
+        _tile_loadd(7, xp + k / 2 * 32 + 16, 128);
+        _tile_loadd(4, w + k, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (NB == 2) {
+            _tile_loadd(5, w + 16 * K + k, stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0][0], 64);
+    _tile_stored(1, c[0][1], 64);
+    if (NB == 2) {
+        _tile_stored(2, c[1][0], 64);
+        _tile_stored(3, c[1][1], 64);
+    }
+}
+
+/* Rows [n_begin, n_end) of j (its x packed: amx_prepare) on the tiles, in blocks of 16; returns the first
+ * row left (fewer than 16 at the end) for the vector path. Each block of 32 tokens in turn meets the
+ * chunk's weight rows, which stay in the cache between blocks. */
+static int64_t amx_rows(const linear_job *j, int64_t n_begin, int64_t n_end) {
+    int64_t n_stop = n_begin + (n_end - n_begin) / 16 * 16;
+    if (n_stop == n_begin) return n_begin;
+    float c[2][2][16 * 16] __attribute__((aligned(64)));
+    amx_begin();
+    for (int64_t b = 0; b < amx_blocks(j->M); b++) {
+        const uint32_t *xp = j->xp + b * (j->K / 2) * 32;
+        int mc = (int)(j->M - 32 * b < 32 ? j->M - 32 * b : 32);
+        for (int64_t n = n_begin; n < n_stop;) {
+            if (n_stop - n >= 32) {
+                amx_block(j, xp, n, 2, c);
+                amx_store(c, 2, j, n, 32 * b, mc);
+                n += 32;
+            } else {
+                amx_block(j, xp, n, 1, c);
+                amx_store(c, 1, j, n, 32 * b, mc);
+                n += 16;
+            }
+        }
+    }
+    _tile_release();
+    return n_stop;
+}
+
+static inline int amx_applies(const linear_job *j) {
+    return amx_state == 1 && j->dtype == DT_BF16 && j->M >= MIN_AMX_ROWS && j->K % 32 == 0;
+}
+
+static void run_pool(void (*task)(const void *, int64_t), const void *arg, int64_t chunks);
+
+/* Packs the x of every job the tiles take (as one pool job where `pooled`) and points its xp there; a job
+ * keeps xp NULL (the vector path) where there is no memory for it. */
+static void amx_prepare(linear_job *jobs, int n_jobs, int pooled) {
+    int64_t first[MAX_BATCH + 1], at = 0, chunks = 0;
+    size_t words = 0;
+    for (int i = 0; i < n_jobs; i++)
+        if (amx_applies(&jobs[i])) words += (size_t)amx_blocks(jobs[i].M) * (jobs[i].K / 2) * 32;
+    if (words > amx_buf_cap) {
+        free(amx_buf);
+        amx_buf = aligned_alloc(64, (words * 4 + 63) / 64 * 64);
+        amx_buf_cap = amx_buf ? words : 0;
+    }
+    if (!amx_buf) return;
+    for (int i = 0; i < n_jobs; i++) {
+        first[i] = chunks;
+        if (!amx_applies(&jobs[i])) continue;
+        jobs[i].xp = amx_buf + at;
+        at += amx_blocks(jobs[i].M) * (jobs[i].K / 2) * 32;
+        chunks += amx_blocks(jobs[i].M);
+    }
+    first[n_jobs] = chunks;
+    amx_pack_plan plan = {jobs, first, n_jobs};
+    if (pooled) {
+        run_pool(amx_pack_chunk, &plan, chunks);
+    } else {
+        for (int64_t c = 0; c < chunks; c++) amx_pack_chunk(&plan, c);
+    }
+}
+
+static void amx_done(void) {
+    if (amx_buf_cap * 4 > AMX_KEEP) {
+        free(amx_buf);
+        amx_buf = NULL;
+        amx_buf_cap = 0;
+    }
+}
+
+/* Whether the tile path is in use: asks the OS for the tile state once (Linux's arch_prctl) and checks a
+ * product against the vector path's arithmetic; 1 ready, 0 not. Call before the pool runs any job. */
+int sl_amx_ready(void) {
+    if (amx_state >= 0) return amx_state;
+    amx_state = 0;
+    if (syscall(SYS_arch_prctl, AMX_ARCH_REQ_XCOMP_PERM, AMX_XFEATURE_XTILEDATA) != 0) return 0;
+    enum { TM = 40, TN = 48, TK = 64 };
+    static uint16_t x[TM * TK], w[TN * TK], y[TM * TN];
+    for (int i = 0; i < TM * TK; i++) x[i] = f32_to_bf16((float)((i * 7) % 13 - 6) / 8.0f);
+    for (int i = 0; i < TN * TK; i++) w[i] = f32_to_bf16((float)((i * 5) % 11 - 5) / 16.0f);
+    linear_job j = {DT_BF16, x, w, NULL, y, TM, TN, TK, NULL};
+    amx_state = 1;
+    amx_prepare(&j, 1, 0);
+    int64_t left = j.xp ? amx_rows(&j, 0, TN) : 0;
+    amx_done();
+    amx_state = 0;
+    if (left != TN) return 0;
+    for (int m = 0; m < TM; m++)
+        for (int n = 0; n < TN; n++) {
+            float s = 0.0f;           /* small integers over powers of two: every order sums exactly */
+            for (int k = 0; k < TK; k++) s += bf16_to_f32(x[m * TK + k]) * bf16_to_f32(w[n * TK + k]);
+            if (y[m * TN + n] != f32_to_bf16(s)) return 0;
+        }
+    amx_state = 1;
+    return 1;
+}
+#else
+static inline int amx_applies(const linear_job *j) { (void)j; return 0; }
+static int64_t amx_rows(const linear_job *j, int64_t n_begin, int64_t n_end) { (void)j; (void)n_end; return n_begin; }
+static void amx_prepare(linear_job *jobs, int n_jobs, int pooled) { (void)jobs; (void)n_jobs; (void)pooled; }
+static void amx_done(void) {}
+int sl_amx_ready(void) { return 0; }
+#endif
+
 static void linear_rows(const linear_job *j, int64_t n_begin, int64_t n_end) {
     size_t es = j->dtype == DT_F32 ? 4 : 2;
     float out[ROWS][MTILE];
+    if (j->xp) n_begin = amx_rows(j, n_begin, n_end);   /* (the rest: fewer than 16 rows) */
     /* rows outside, tokens inside: a block of ROWS weight rows is read from DRAM once and reused from the
      * cache for every tile of tokens */
     for (int64_t n = n_begin; n < n_end; n += ROWS) {
@@ -383,24 +611,31 @@ static void linear_chunk(const void *arg, int64_t c) {
 }
 
 /* Runs `n_jobs` matmuls of one shape (N, K) and dtype as one pool job. */
-static int run_jobs(const linear_job *jobs, int n_jobs) {
+static int run_jobs(linear_job *jobs, int n_jobs) {
     if (pool.n == 0) sl_set_threads(1, -1);
     int64_t N = jobs[0].N, K = jobs[0].K;
     size_t es = jobs[0].dtype == DT_F32 ? 4 : 2;
-    if (pool.n <= 1 || N * K * n_jobs < (1 << 16)) {   /* too small to be worth waking the pool */
+    int small = pool.n <= 1 || N * K * n_jobs < (1 << 16);   /* too small to be worth waking the pool */
+    int64_t q = ROWS;                                  /* chunks of whole row blocks */
+    for (int i = 0; i < n_jobs && q == ROWS; i++)
+        if (amx_applies(&jobs[i])) q = 32;             /* (the tiles' blocks: their x packed first) */
+    if (q == 32) amx_prepare(jobs, n_jobs, !small);
+    if (small) {
         for (int i = 0; i < n_jobs; i++) linear_rows(&jobs[i], 0, N);
+        if (q == 32) amx_done();
         return 0;
     }
     int64_t rows = (int64_t)(CHUNK_BYTES / ((size_t)(K > 0 ? K : 1) * es));
-    rows = rows < ROWS ? ROWS : rows / ROWS * ROWS;
+    rows = rows < q ? q : rows / q * q;
     int64_t per = (N + rows - 1) / rows;
-    if (per * n_jobs < 4 * pool.n && N > ROWS) {       /* small matrices: smaller chunks, so all threads share */
+    if (per * n_jobs < 4 * pool.n && N > q) {          /* small matrices: smaller chunks, so all threads share */
         int64_t want = (N * n_jobs + 4 * pool.n - 1) / (4 * pool.n);
-        rows = want < ROWS ? ROWS : (want + ROWS - 1) / ROWS * ROWS;
+        rows = want < q ? q : (want + q - 1) / q * q;
         per = (N + rows - 1) / rows;
     }
     linear_plan plan = {jobs, rows, per};
     run_pool(linear_chunk, &plan, per * n_jobs);
+    if (q == 32) amx_done();
     return 0;
 }
 
@@ -408,13 +643,12 @@ static int run_jobs(const linear_job *jobs, int n_jobs) {
 int sl_linear(int dtype, const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
               int64_t K) {
     if (dtype < 0 || dtype > 2 || M < 0 || N < 0 || K < 0) return -1;
-    linear_job j = {dtype, x, w, bias, y, M, N, K};
+    linear_job j = {dtype, x, w, bias, y, M, N, K, NULL};
     return run_jobs(&j, 1);
 }
 
 /* y[i] = x[i] @ w[i].T for i < n_jobs, every w[i] [N, K] and x[i] [M[i], K] (the experts a step routes
  * to: one pool job instead of one per expert). No bias. */
-#define MAX_BATCH 1024
 int sl_linear_batch(int dtype, int n_jobs, const void *const *x, const void *const *w, void *const *y,
                     const int64_t *M, int64_t N, int64_t K) {
     if (dtype < 0 || dtype > 2 || n_jobs < 0 || n_jobs > MAX_BATCH || N < 0 || K < 0) return -1;
@@ -422,7 +656,7 @@ int sl_linear_batch(int dtype, int n_jobs, const void *const *x, const void *con
     linear_job jobs[MAX_BATCH];
     for (int i = 0; i < n_jobs; i++) {
         if (M[i] < 0) return -1;
-        linear_job j = {dtype, x[i], w[i], NULL, y[i], M[i], N, K};
+        linear_job j = {dtype, x[i], w[i], NULL, y[i], M[i], N, K, NULL};
         jobs[i] = j;
     }
     return run_jobs(jobs, n_jobs);
@@ -983,7 +1217,8 @@ int sl_rms_norm(int dtype, int wdtype, const void *x, const void *w1, const void
     return 0;
 }
 
-/* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C. */
+/* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C (the tiles
+ * of many-row bf16 matmuls: sl_amx_ready). */
 int sl_isa(void) {
 #if defined(__AVX512BF16__)
     return 2;

@@ -308,29 +308,53 @@ def _experts_batch(parts, s: MoeState) -> bool | None:
                 counts.append(c)
     if not picks:
         return True
-    if max(counts) > kernels.max_rows_many(s.h.dtype):
+    if max(counts) > kernels.max_rows_stacked(s.h.dtype):
         return None
-    lo, hi = b[parts[0][1].start], b[parts[-1][1].stop]
+    out = _sum(s)
+    ws = [w for w, _ in parts]
+    at = b[parts[0][1].start]
+    first = 0
+    while first < len(picks):          # pieces of at most BULK_ROWS pairs (a long prompt's temporaries)
+        last, rows_n = first + 1, counts[first]
+        while last < len(picks) and rows_n + counts[last] <= BULK_ROWS:
+            rows_n += counts[last]
+            last += 1
+        if not _bulk_piece(ws, picks[first:last], counts[first:last], s, at, at + rows_n, out):
+            if not first:
+                return None
+            a = at                     # (a later piece the kernel did not take: its experts one by one)
+            for (g, j), c in zip(picks[first:last], counts[first:last]):
+                _add_expert(s, a, a + c, _expert(ws[g], j, s.h[s.rows[a:a + c]]), False)
+                a += c
+        at += rows_n
+        first = last
+    return True
+
+
+BULK_ROWS = 8192    # routed pairs per native job of `_experts_batch` (a 4096-token prompt routes 32k per layer)
+
+
+def _bulk_piece(ws, picks, counts, s: MoeState, lo: int, hi: int, out: torch.Tensor) -> bool:
+    """Pairs lo .. hi-1 (sorted by expert: the picks' rows, `counts` each) through the native jobs, their
+    weighted outputs added into `out`; False (nothing done) where the kernel does not apply."""
     rows = s.rows[lo:hi]
     hx = s.h.index_select(0, rows)
-    ws = [w for w, _ in parts]
     if "experts.gate_up.weight" in ws[0]:
         gu = kernels.linear_stacked(hx, [w["experts.gate_up.weight"] for w in ws], picks, counts=counts)
         if gu is None:
-            return None
+            return False
         gate, up = gu.chunk(2, dim=-1)
     else:
-        n = len(parts)
+        n = len(ws)
         gu = kernels.linear_stacked(torch.cat([hx, hx]), [w[f"experts.{p}.weight"] for p in ("gate", "up")
                                                           for w in ws],
                                     picks + [(g + n, j) for g, j in picks], counts=counts + counts)
         if gu is None:
-            return None
+            return False
         gate, up = gu.chunk(2, dim=0)
     y = kernels.linear_stacked(F.silu(gate) * up, [w["experts.down.weight"] for w in ws], picks, counts=counts)
     if y is None:
-        return None
-    out = _sum(s)
+        return False
     yw = (y * s.weights[lo:hi, None]).to(out.dtype)
     if not kernels.scatter_add(out, rows, yw):
         at = 0

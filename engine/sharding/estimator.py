@@ -57,6 +57,10 @@ QK_NORM_OPS = {"cpu": 0, "gpu": 12}      # q/k norms: one native call on the CPU
 NATIVE_CALLS = {"embed": 0, "attn": 4, "ffn": 3, "head": 2, "router": 2, "experts": 0}
 NATIVE_CALLS_EXPERTS_PER_LAYER = 3      # a layer's CPU expert groups run together: gate/up, down, sum
 OPS_PER_EXPERT = 7     # kernels per touched expert (gather, gate/up, silu, mul, down, scale, index_add)
+# A step's consecutive CPU expert groups of several tokens in one native job per projection
+# (`moe._experts_batch`): the PyTorch ops around the jobs (the gather, the chunk, silu, mul, the weights'
+# scale and cast) per run of groups, whatever the number of routed experts; priced per group, at most.
+OPS_BULK_GROUP = 8
 OPS_PER_EXPERT_SINGLE = 5   # in a one-token step (gate/up, silu, mul, down, multiply-add)
 # A resident expert group in a step of 2 to moe.FEW_TOKENS tokens runs inside its layer's one call
 # (`moe.layer_few_tokens`): all of its experts over the tokens, in this many kernels (the routing masks,
@@ -114,6 +118,18 @@ def attention_parts_ms(prof: ProfileDatabase, side: str, dt: str, sub: SubLayerS
             prof.attention_ms(side, dt, ctx * sub.kv_bytes_per_token, n * ctx * sub.attn_flops_per_token_ctx))
 
 
+def cpu_bulk_gflops(prof: ProfileDatabase, dt: str, cfg, n: int) -> float | None:
+    """The GFLOP/s of a step's CPU expert groups in one native job per projection (`moe._experts_batch`)
+    at `n` tokens, from the profile's expert-job table; None where the engine takes them expert by expert
+    instead: no table (older profiles), or the busiest expert's rows (about the mean + 3 sigma) past the
+    rows the table measured (what the kernel takes: 16 without AMX tiles)."""
+    mean = n * cfg.num_experts_per_tok / cfg.num_experts
+    if prof.experts_gflops(dt, min(n, mean + 3 * math.sqrt(mean) + 1)) is None:
+        return None
+    touched = cfg.num_experts * (1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** n)
+    return prof.experts_gflops(dt, n * cfg.num_experts_per_tok / touched)     # (rows of a touched expert)
+
+
 def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: int,
                head_rows: int | None = 1) -> StepCosts:
     cfg, db, dt = spec.config, spec.dtype_bytes, dtype_name(spec)
@@ -141,6 +157,9 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
                 rows_per = n * cfg.num_experts_per_tok * sub.n_experts / cfg.num_experts / touched  # >= 1
                 t = touched * prof.gemm_ms(side, dt, "ffn", 6 * cfg.hidden_size * cfg.moe_intermediate_size,
                                            rows_per)
+                bulk = side == "cpu" and n > 1 and cpu_bulk_gflops(prof, dt, cfg, n)
+                if bulk:
+                    t = touched * rows_per * 6 * cfg.hidden_size * cfg.moe_intermediate_size / (bulk * 1e6)
                 if side == "gpu" and padded:
                     t = sub.n_experts * prof.gemm_ms(side, dt, "ffn", 6 * cfg.hidden_size
                                                      * cfg.moe_intermediate_size, padded_rows)
@@ -151,6 +170,8 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
             if sub.kind == "experts" and side == "gpu" and padded:
                 runs = math.ceil(sub.n_experts * padded_rows / n)
                 n_ops += runs * OPS_PADDED_RUN + OPS_PADDED_EXPERT * spec.expected_experts(sub, n)
+            elif sub.kind == "experts" and side == "cpu" and n > 1 and cpu_bulk_gflops(prof, dt, cfg, n):
+                n_ops += OPS_BULK_GROUP
             elif sub.kind == "experts":
                 n_ops += (OPS_PER_EXPERT if n > 1 else OPS_PER_EXPERT_SINGLE) * spec.expected_experts(sub, n)
             issue = prof.op_ms(side, n_ops)

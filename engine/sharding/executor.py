@@ -40,6 +40,7 @@ from engine.sharding.device import Accelerator
 from engine.sharding.kvcache import BLOCK_SIZE, PagedKVCache, Sequence
 from engine.sharding.memory import HEAD_ROWS_MAX as HEAD_ROWS
 from engine.sharding.memory import TENSOR_ALIGN as ALIGN
+from engine.sharding.memory import head_rows_at_once
 from engine.sharding.plan import Placement, Plan
 from engine.sharding.spec import routed_streaming
 
@@ -418,11 +419,13 @@ class Executor:
                     part = x[at:at + mask.shape[0]]
                     part[mask.to(x.device)] = rows.to(device=x.device, dtype=x.dtype)
             elif name == "head":
+                at_once = (head_rows_at_once(cfg, x.element_size(), x.shape[0]) if x.is_cuda or (
+                    self.accel is not None and self.accel.kind == "sim" and on_gpu) else HEAD_ROWS)
                 if len(head_rows) == 1:
                     x = x[head_rows[0]:head_rows[0] + 1]
                 elif len(head_rows) < x.shape[0]:
                     x = x[torch.tensor(head_rows, device=dev)]
-                x = self._head(w, x)
+                x = self._head(w, x, at_once)
             elif name.endswith(".attn"):
                 layer = int(name.split(".")[1])
                 x = self._attention(layer, w, x, segs, decode, cos_sin[dev], dev)
@@ -536,13 +539,14 @@ class Executor:
     def _wait_gpu(self) -> None:
         self.accel.wait_event_host(self.accel.compute_event())
 
-    def _head(self, w, x: torch.Tensor) -> torch.Tensor:
-        """Logits in chunks of HEAD_ROWS rows, each moved to the CPU at once, so the float32 logits of a
-        long input never pile up in VRAM (the scratch budget covers one chunk)."""
-        if x.shape[0] <= HEAD_ROWS:
+    def _head(self, w, x: torch.Tensor, at_once: int = HEAD_ROWS) -> torch.Tensor:
+        """Logits in chunks of `at_once` rows (on the GPU `memory.head_rows_at_once`, what the scratch
+        budget holds; HEAD_ROWS on the CPU), each moved to the CPU at once, so the float32 logits of a long
+        input never pile up in VRAM."""
+        if x.shape[0] <= at_once:
             return dense.output_head(self.cfg, w, x)
-        return torch.cat([self._move(dense.output_head(self.cfg, w, x[i:i + HEAD_ROWS]), False)
-                          for i in range(0, x.shape[0], HEAD_ROWS)])
+        return torch.cat([self._move(dense.output_head(self.cfg, w, x[i:i + at_once]), False)
+                          for i in range(0, x.shape[0], at_once)])
 
     def _attention(self, layer, w, x, segs: list[_Segment], decode: _DecodeGroup | None, cos_sin, dev):
         want_gpu = self.plan.kv_on_gpu(layer)

@@ -212,6 +212,53 @@ def attention_rates(sizes: Sizes, device, step: _Steps) -> dict[str, dict[str, f
     return out
 
 
+EXPERT_SHAPE = (1536, 2048)    # one gate/up matrix of a Qwen3-30B-A3B layer's expert stack (out, in)
+EXPERT_ROWS = (1, 4, 16, 32, 64, 256)     # rows per expert: decode, batches, 512- to 4096-token prompts
+EXPERTS_PER_JOB = 16
+
+
+def experts_table(sizes: Sizes, step: _Steps, shape: tuple[int, int] = EXPERT_SHAPE) -> dict[str, list[list[float]]]:
+    """dtype -> [[rows per expert, achieved GFLOP/s], ...] of one native job over EXPERTS_PER_JOB expert
+    matrices picked from a stack (`kernels.linear_stacked` with row counts: how a step's CPU expert groups
+    run, `moe._experts_batch`), cycling through a stack larger than the caches. A row count the kernel
+    does not take (past 16 rows without AMX tiles; no kernel at all) ends that dtype's table, so the
+    estimator prices only what the engine runs natively."""
+    from engine import kernels
+
+    kernels.status(wait=True)
+    n, k = shape
+    out: dict[str, list[list[float]]] = {}
+    # One buffer viewed as each dtype, filled with a repeated byte (about 0.01 as bf16 and float32, 1.06
+    # as fp16): the arithmetic's speed does not depend on the values, and drawing random numbers over
+    # this many bytes took seconds.
+    nbytes = max(EXPERTS_PER_JOB * n * k * 4, sizes.rotate_bytes)
+    pin = sizes.pinned and torch.cuda.is_available()
+    raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin).fill_(0x3C)
+    for dtype in sizes.dtypes:
+        step(f"cpu expert jobs {dtype}")
+        dt = _TORCH[dtype]
+        count = nbytes // (n * k * _DTYPE_BYTES[dtype])
+        stack = raw[:count * n * k * _DTYPE_BYTES[dtype]].view(dt).view(count, n, k)
+        picks = [[(0, (i * EXPERTS_PER_JOB + j) % count) for j in range(EXPERTS_PER_JOB)]
+                 for i in range(max(1, count // EXPERTS_PER_JOB))]
+        rows = []
+        for r in EXPERT_ROWS:
+            job = _expert_job(stack, picks, torch.randn(EXPERTS_PER_JOB * r, k).to(dt), [r] * EXPERTS_PER_JOB)
+            if job(0) is None:
+                break
+            sec = time_host(job, sizes.min_time_s)
+            rows.append([r, round(2.0 * r * n * k * EXPERTS_PER_JOB / sec / 1e9, 4)])
+        if rows:
+            out[dtype] = rows
+    return out
+
+
+def _expert_job(stack: torch.Tensor, picks: list, x: torch.Tensor, counts: list[int]) -> Callable[[int], object]:
+    from engine import kernels
+
+    return lambda i: kernels.linear_stacked(x, [stack], picks[i % len(picks)], min_weights=0, counts=counts)
+
+
 def op_overhead_us(device) -> float:
     """Host-side cost of one small op (launch overhead on a GPU, dispatch on the CPU), microseconds."""
     cuda = torch.device(device).type == "cuda"
@@ -473,10 +520,11 @@ def device_section(sizes: Sizes, device, step: _Steps) -> dict:
 
 
 def cpu_section(sizes: Sizes, progress: Progress | None, offset: float = 0.0, share: float = 1.0) -> dict:
-    n_steps = len(sizes.dtypes) * (3 * len(sizes.tokens) + 1) + 3 + 7
+    n_steps = len(sizes.dtypes) * (3 * len(sizes.tokens) + 2) + 3 + 7
     step = _Steps(n_steps, progress, offset, share)
     sec = device_section(sizes, "cpu", step)
     sec["native_call_us"] = native_call_us()
+    sec["experts"] = experts_table(sizes, step)
     step("cpu FFN block as the engine runs it")
     sec["block_factor"] = ffn_block_factors(sizes, sec["gemm"], sec["op_overhead_us"])
     step("cpu attention block as the engine runs it")

@@ -19,6 +19,7 @@ from engine.sharding.spec import ModelSpec
 TENSOR_ALIGN = 256          # must equal engine.sharding.weights._ALIGN (packed host/VRAM buffers)
 KV_BLOCK = 16               # must equal engine.sharding.kvcache.BLOCK_SIZE
 HEAD_ROWS_MAX = 256         # logits are computed for at most this many rows at a time
+HEAD_ROWS_MIN = 32          # ... and on the GPU for at least this many (a batch's decode rows in one pass)
 SCRATCH_MARGIN = 1.5        # activations x margin (allocator rounding, fragmentation, temporaries)
 WORKSPACE_MAX = 32 << 20    # BLAS / attention workspace of a real model (scaled down for tiny ones)
 
@@ -49,21 +50,10 @@ def kv_cache_bytes(spec: ModelSpec, kv_tokens: int, n_layers: int | None = None)
     return n * -(-max(kv_tokens, 0) // KV_BLOCK) * KV_BLOCK * per_token
 
 
-def scratch_bytes(spec: ModelSpec, tier: int) -> int:
-    """Activations and workspace on the GPU for a step of `tier` new tokens, margin included.
-
-    Peak of one sub-layer's temporaries: the residual stream and its float32 norm, plus the largest of
-    attention (q, k, v, rotary copies, output), the FFN (gate, up, product), the MoE block and the head
-    (float32 logits of at most HEAD_ROWS_MAX rows). Attention itself is assumed to run in a fused kernel
-    (no [n, ctx] scores). The MoE block holds the normed input and the output sum across its groups, the
-    float32 router probabilities, the routing (top-k ids and weights, sorted) and one expert's
-    temporaries for at most all t rows (gathered input, gate/up, product, output); in steps of up to
-    moe.FEW_TOKENS tokens, or a whole group's (`moe.layer_few_tokens`: every expert of a group over the
-    tokens, and each token's k kept rows).
-    """
-    cfg, db = spec.config, spec.dtype_bytes
-    t, h = max(int(tier), 1), cfg.hidden_size
-    rows = min(t, HEAD_ROWS_MAX)
+def _layer_temporaries(cfg, db: int, t: int) -> tuple[int, int]:
+    """(residual stream with its float32 norm, the largest of attention's, the FFN's and the MoE block's
+    temporaries) of a step of t tokens, in bytes."""
+    h = cfg.hidden_size
     resid = t * h * db + 2 * t * h * 4
     attn = t * db * (4 * cfg.q_size + 2 * cfg.kv_size)
     ffn = 3 * t * cfg.intermediate_size * db
@@ -73,9 +63,38 @@ def scratch_bytes(spec: ModelSpec, tier: int) -> int:
         if t <= MOE_FEW_TOKENS:   # a layer in one call runs all of a group's experts over the step's tokens
             moe = max(moe, t * (2 * h * db + cfg.experts_per_group * (4 * f + h) * db + 2 * k * h * db))
         ffn = max(ffn, moe)
-    head = rows * (2 * h * 4 + cfg.vocab_size * (db + 4))
+    return resid, max(attn, ffn)
+
+
+def head_rows_at_once(cfg, db: int, tier: int) -> int:
+    """Rows of logits the head computes at once on the GPU in a step of `tier` tokens (a prompt scored
+    whole, a batch's decode): at most HEAD_ROWS_MAX, and no more than the layers' own temporaries of the
+    step hold, but at least HEAD_ROWS_MIN. A large vocabulary's float32 logits had dominated the scratch
+    of long steps: 256 rows of Qwen2.5's 152k took 241 MB against 29 MB of FFN temporaries at 256
+    tokens, which left a 2 GiB budget no room for the slots that stream its FFNs."""
+    t = max(int(tier), 1)
+    per_row = 2 * cfg.hidden_size * 4 + cfg.vocab_size * (db + 4)
+    return min(t, HEAD_ROWS_MAX, max(HEAD_ROWS_MIN, _layer_temporaries(cfg, db, t)[1] // per_row))
+
+
+def scratch_bytes(spec: ModelSpec, tier: int) -> int:
+    """Activations and workspace on the GPU for a step of `tier` new tokens, margin included.
+
+    Peak of one sub-layer's temporaries: the residual stream and its float32 norm, plus the largest of
+    attention (q, k, v, rotary copies, output), the FFN (gate, up, product), the MoE block and the head
+    (float32 logits of `head_rows_at_once` rows). Attention itself is assumed to run in a fused kernel
+    (no [n, ctx] scores). The MoE block holds the normed input and the output sum across its groups, the
+    float32 router probabilities, the routing (top-k ids and weights, sorted) and one expert's
+    temporaries for at most all t rows (gathered input, gate/up, product, output); in steps of up to
+    moe.FEW_TOKENS tokens, or a whole group's (`moe.layer_few_tokens`: every expert of a group over the
+    tokens, and each token's k kept rows).
+    """
+    cfg, db = spec.config, spec.dtype_bytes
+    t, h = max(int(tier), 1), cfg.hidden_size
+    resid, layer = _layer_temporaries(cfg, db, t)
+    head = head_rows_at_once(cfg, db, t) * (2 * h * 4 + cfg.vocab_size * (db + 4))
     workspace = min(WORKSPACE_MAX, spec.total_weight_bytes // 64)
-    return math.ceil((resid + max(attn, ffn, head)) * SCRATCH_MARGIN) + workspace
+    return math.ceil((resid + max(layer, head)) * SCRATCH_MARGIN) + workspace
 
 
 def slot_bytes(spec: ModelSpec, placement: dict[str, Placement], n_slots: int) -> int:

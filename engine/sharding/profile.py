@@ -196,6 +196,21 @@ class ProfileDatabase:
         f = (x - xs[i]) / (xs[i + 1] - xs[i])
         return math.exp(ys[i] + f * (ys[i + 1] - ys[i]))
 
+    def experts_gflops(self, dtype: str, rows: float) -> float | None:
+        """Achieved GFLOP/s of the CPU's native expert jobs (a step's routed experts in one job, `rows`
+        each on average), or None where the profile has no such table for `dtype` or `rows` is past the
+        rows it measured (the kernel does not take them: the engine runs those experts one by one)."""
+        table = ((self.cpu or {}).get("experts") or {}).get(dtype)
+        if not table or rows > table[-1][0]:
+            return None
+        xs, ys = _monotone_table(table)
+        x = math.log(max(rows, 1.0))
+        if x <= xs[0] or len(xs) == 1:
+            return math.exp(ys[0])
+        i = min(bisect_right(xs, x) - 1, len(xs) - 2)
+        f = (x - xs[i]) / (xs[i + 1] - xs[i])
+        return math.exp(ys[i] + f * (ys[i + 1] - ys[i]))
+
     def gemm_ms(self, where: str, dtype: str, cls: str, flops_per_token: float, n_tokens: int) -> float:
         if flops_per_token <= 0 or n_tokens <= 0:
             return 0.0

@@ -295,3 +295,55 @@ def test_sixteen_bit_matrices_go_native_from_a_lower_size_than_float32():
     assert kernels.usable(torch.randn(1, 2048), torch.randn(2048, 2048))
     y = kernels.linear(x16, w16)
     assert y is not None and torch.allclose(y.float(), (x16.float() @ w16.float().T), rtol=2e-2, atol=2e-2)
+
+
+needs_tiles = pytest.mark.skipif(not kernels.tiles(), reason=f"no AMX tiles here: {kernels.status()}")
+
+
+@needs_tiles
+@pytest.mark.parametrize("n, k", [(48, 64), (1544, 2048), (40, 96), (16, 32), (33, 48)])
+def test_many_row_bf16_jobs_on_the_tiles_match_a_float64_reference(n, k):
+    """Experts of more than 16 rows in one `linear_stacked` job run on the AMX tiles (where k is a multiple
+    of 32; the rest, and the rows past the last block of 16, on the vector path): each output within one
+    bf16 rounding of the exact product, nearly all of them the exact product rounded once, whatever the
+    token count (blocks of 32, a partial last one) and the thread count."""
+    g = torch.Generator().manual_seed(n * k)
+    stack = (torch.randn(4, n, k, generator=g) * 0.1).to(torch.bfloat16)
+    counts = [17, 70, 1, 33]
+    x = torch.randn(sum(counts), k, generator=g).to(torch.bfloat16)
+    picks = [(0, 2), (0, 0), (0, 3), (0, 0)]
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, threads}):
+            torch.set_num_threads(t)
+            y = kernels.linear_stacked(x, [stack], picks, min_weights=0, counts=counts)
+            assert y is not None and y.shape == (sum(counts), n)
+            at = 0
+            for (_, j), c in zip(picks, counts):
+                ref = x[at:at + c].double() @ stack[j].double().T
+                got = y[at:at + c].double()
+                assert ((got - ref).abs() <= ref.abs() * 2.0 ** -8 + 1e-6).all(), (t, j, c)
+                exact = (got == ref.to(torch.bfloat16).double()).double().mean().item()
+                assert exact > 0.98, (t, j, c, exact)
+                at += c
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_tiles
+def test_the_tiles_take_past_sixteen_rows_and_the_environment_turns_them_off(tmp_path):
+    """Past 16 rows an expert job stays native only on the tiles: `max_rows_stacked` is open-ended for
+    bf16 there and `max_rows_many` elsewhere; SLIPSTREAM_CPU_AMX=0 turns the tiles off (the status says
+    which path runs)."""
+    assert kernels.max_rows_stacked(torch.bfloat16) > 1000
+    assert kernels.max_rows_stacked(torch.float16) == kernels.max_rows_stacked(torch.float32) == kernels.MAX_ROWS
+    assert "AMX tiles" in kernels.status()
+    env = {**os.environ, "SLIPSTREAM_CPU_AMX": "0", "SLIPSTREAM_KERNEL_CACHE": str(tmp_path)}
+    code = ("import torch; from engine import kernels; print(kernels.status(wait=True)); "
+            "print(kernels.max_rows_stacked(torch.bfloat16)); x = torch.ones(40, 64).to(torch.bfloat16); "
+            "w = torch.ones(2, 32, 64).to(torch.bfloat16); "
+            "print(kernels.linear_stacked(x, [w], [(0, 0), (0, 1)], min_weights=0, counts=[20, 20]))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                         timeout=300).stdout.splitlines()
+    assert "AMX" not in out[0] and out[0].startswith("native")
+    assert out[1] == str(kernels.MAX_ROWS) and out[2] == "None"

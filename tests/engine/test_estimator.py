@@ -203,3 +203,36 @@ def test_the_profiler_measures_a_native_call():
         assert us == 0.0
     else:
         assert 0.1 < us < 5000
+
+
+def test_cpu_expert_groups_of_a_prompt_are_priced_from_the_expert_job_table():
+    """With the profile's expert-job table, a step's CPU expert groups are priced at its rate for their
+    rows per expert and a fixed number of ops (one native job per projection); without it, or past the
+    rows it measured (no tiles: the engine goes expert by expert), as before."""
+    from engine.sharding.estimator import NATIVE_CALLS_EXPERTS_PER_LAYER, OPS, OPS_BULK_GROUP, step_costs
+
+    spec = ModelSpec.from_config(get_shape("qwen3-30b-a3b"))
+    cfg = spec.config
+    group = next(i for i, s in enumerate(spec.sublayers) if s.kind == "experts")
+    sub = spec.sublayers[group]
+    data = sim_profile_dict()
+    base = ProfileDatabase(sim_profile_dict())
+    data["cpu"]["experts"] = {"bfloat16": [[1, 50.0], [16, 400.0], [64, 2000.0]]}
+    prof = ProfileDatabase(data)
+    for n, bulk in ((16, True), (256, True), (1024, False)):
+        touched = spec.expected_experts(sub, n)
+        rows = n * cfg.num_experts_per_tok * sub.n_experts / cfg.num_experts / touched
+        flops = touched * rows * 6 * cfg.hidden_size * cfg.moe_intermediate_size
+        got = step_costs(spec, prof, n, n).cpu_ms[group]
+        old = step_costs(spec, base, n, n).cpu_ms[group]
+        if bulk:
+            rate = prof.experts_gflops("bfloat16", rows)
+            issue = (prof.op_ms("cpu", OPS["cpu"]["experts"] + OPS_BULK_GROUP)
+                     + NATIVE_CALLS_EXPERTS_PER_LAYER / len(cfg.expert_groups()) * prof.native_call_ms)
+            assert 50.0 <= rate <= 2000.0
+            assert got == pytest.approx(flops / (rate * 1e6) + issue)
+            assert got < old, n
+        else:
+            assert got == old, n
+    assert prof.experts_gflops("bfloat16", 65) is None and prof.experts_gflops("float16", 4) is None
+    assert prof.experts_gflops("bfloat16", 32) == pytest.approx(2000.0 * 32 / 64, rel=0.3)

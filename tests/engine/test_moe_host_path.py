@@ -194,6 +194,15 @@ def _layer_cases(test):
     return test
 
 
+def _one_expert_at_a_time(groups, want) -> None:
+    """The routed experts of `groups` added into state `want` one at a time through PyTorch."""
+    for w, experts in groups:
+        for j, e in enumerate(experts):
+            a, b = want.bounds[e], want.bounds[e + 1]
+            if b > a:
+                moe._add_expert(want, a, b, moe._expert(w, j, want.h[want.rows[a:b]]), False)
+
+
 def _moe_layer(arch: str, dtype: torch.dtype, fused_gate_up: bool, seed: int, device: str):
     cfg = ModelConfig(arch=arch, vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=16, rope_theta=1e4, max_position_embeddings=64,
@@ -291,11 +300,7 @@ def test_a_batch_routing_more_than_four_rows_to_an_expert_keeps_the_native_job(m
     got, want = moe.router_block(cfg, router, x), moe.router_block(cfg, router, x)
     assert max(b - a for a, b in itertools.pairwise(got.bounds)) > kernels.max_rows(torch.bfloat16)
     got = moe.experts_blocks(cfg, groups, got)
-    for w, experts in groups:
-        for j, e in enumerate(experts):
-            a, b = want.bounds[e], want.bounds[e + 1]
-            if b > a:
-                moe._add_expert(want, a, b, moe._expert(w, j, want.h[want.rows[a:b]]), False)
+    _one_expert_at_a_time(groups, want)
     assert jobs and max(jobs) > 4
     assert torch.allclose(moe.finish(got).float(), moe.finish(want).float(), rtol=3e-2, atol=3e-2)
 
@@ -361,3 +366,28 @@ def test_batch_step_without_the_scatter_kernel_adds_expert_by_expert(monkeypatch
     monkeypatch.setattr(kernels, "scatter_add", lambda *a: False)
     got = moe.experts_blocks(cfg, groups, moe.router_block(cfg, router, x)).out
     assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.skipif(not kernels.tiles(), reason=f"no AMX tiles here: {kernels.status()}")
+@pytest.mark.parametrize("fused_gate_up", [True, False])
+def test_a_prompt_step_routing_many_rows_to_an_expert_runs_in_bulk_on_the_tiles(fused_gate_up, monkeypatch):
+    """A prompt's step on the CPU routes more than 16 rows to an expert: on AMX tiles it still runs in
+    bulk (`_experts_batch`), in pieces of at most `BULK_ROWS` pairs where the step has more (the same bits
+    as one piece), and within rounding of PyTorch expert by expert."""
+    monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)
+    bulk = []
+    real = moe._experts_batch
+    monkeypatch.setattr(moe, "_experts_batch", lambda parts, s: bulk.append(real(parts, s)) or bulk[-1])
+    cfg, router, groups, g = _moe_layer("qwen3_moe", torch.bfloat16, fused_gate_up, 1, "cpu")
+    x = torch.randn(96, 32, generator=g).to(torch.bfloat16)
+    s = moe.router_block(cfg, router, x)
+    assert max(b - a for a, b in itertools.pairwise(s.bounds)) > kernels.MAX_ROWS
+    got = moe.experts_blocks(cfg, groups, s).out.clone()
+    assert bulk == [True]
+    monkeypatch.setattr(moe, "BULK_ROWS", 40)
+    pieces = moe.experts_blocks(cfg, groups, moe.router_block(cfg, router, x)).out
+    assert torch.equal(pieces, got)
+    want = moe.router_block(cfg, router, x)
+    _one_expert_at_a_time(groups, want)
+    assert torch.allclose(got.float(), want.out.float(), rtol=2e-2, atol=2e-2)

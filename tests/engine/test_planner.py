@@ -189,7 +189,7 @@ def test_token_tiers_up_to_a_batch_limit():
 
 
 def test_small_budget_prefill_attends_on_the_gpu_over_host_resident_kv():
-    """Where no layer's KV fits beside the slots (Llama-3-8B shape, 1.1 GiB), prefill tiers stream the
+    """Where no layer's KV fits beside the slots (Llama-3-8B shape, 1000 MiB), prefill tiers stream the
     attention to the GPU and bring each layer's KV in for the step; decode keeps attention on the CPU.
     The plan books one layer's KV beside the scratch, and predicts less than the same plan with those
     attentions on the CPU."""
@@ -198,7 +198,7 @@ def test_small_budget_prefill_attends_on_the_gpu_over_host_resident_kv():
 
     spec = ModelSpec.from_config(get_shape("llama3-8b"))
     planner = Planner(spec, SIM)
-    ps = planner.plan(1100 << 20, kv_tokens=4096)
+    ps = planner.plan(1000 << 20, kv_tokens=4096)
     layers = range(spec.config.num_layers)
     assert {p.kv_layers for p in ps.plans} == {0}
     decode, prefill = ps.for_tokens(1), ps.for_tokens(1024)
@@ -239,7 +239,8 @@ def test_decode_tiers_never_attend_over_host_resident_kv():
 def test_a_tier_reserve_is_kept_from_that_tier_alone():
     """The one-token CUDA graphs' reserve comes out of the decode tier's plan only: a larger tier's plan
     has the whole budget (the graphs are dropped when it comes in). At Llama-3-8B's room under 2 GiB on
-    the H200 profile, the reserve out of every tier had cut the prefill step from 1024 tokens to 256."""
+    the H200 profile, the reserve out of every tier had cut the prefill step from 1024 tokens to 256 (with
+    the head's scratch of 256 rows of logits); it still changes the larger tiers' plans."""
     from pathlib import Path
 
     from engine.bench.shapes import get_shape
@@ -255,7 +256,8 @@ def test_a_tier_reserve_is_kept_from_that_tier_alone():
     for a, b in zip(plain.plans[1:], kept.plans[1:]):
         assert a.placement == b.placement and a.vram.total == b.vram.total
     everywhere = planner.plan(room - reserve, kv_tokens=4096)
-    assert everywhere.step_tokens < kept.step_tokens
+    assert all(p.vram.total <= room - reserve for p in everywhere.plans)
+    assert any(a.placement != b.placement for a, b in zip(everywhere.plans[1:], kept.plans[1:]))
 
 
 def test_batched_decode_tiers_keep_the_resident_experts_of_the_one_token_plan():

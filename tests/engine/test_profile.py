@@ -342,3 +342,24 @@ def test_update_cli_adds_the_attention_factor_to_a_stored_profile(tmp_path):
     assert again["profiles"]["new"] == after["profiles"]["new"]
     with pytest.raises(SystemExit):
         measure.main(["--update", str(path)])              # the measurement must be named
+
+
+def test_the_expert_job_table_covers_the_rows_the_kernel_takes(monkeypatch):
+    """The CPU section's expert-job table (`measure.experts_table`) has a rate per rows-per-expert count
+    for each dtype the native kernel runs, up to 16 rows, and past them only for bf16 on AMX tiles."""
+    from engine import kernels
+    from engine.sharding import measure
+
+    sizes = measure.Sizes(64, 128, 256, 2, 32, 64, (1,), 0.01, 4 << 20, dtypes=("bfloat16", "float32"))
+    table = measure.experts_table(sizes, measure._Steps(2, None), shape=(64, 96))
+    if kernels._load() is None:
+        assert table == {}
+        return
+    assert set(table) == {"bfloat16", "float32"}
+    for dtype, rows in table.items():
+        counts = [r for r, _ in rows]
+        assert counts == sorted(counts) and all(g > 0 for _, g in rows)
+        top = 256 if dtype == "bfloat16" and kernels.tiles() else 16
+        assert counts[-1] == top, (dtype, counts)
+    monkeypatch.setattr(kernels, "_amx_tiles", False)
+    assert [r for r, _ in measure.experts_table(sizes, measure._Steps(2, None), shape=(64, 96))["bfloat16"]][-1] == 16
