@@ -146,7 +146,7 @@ def _load():
                                         ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.sl_weighted_sum.restype = ctypes.c_int
         lib.sl_scatter_add.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                       ctypes.c_int64, ctypes.c_int64]
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
         lib.sl_scatter_add.restype = ctypes.c_int
         lib.sl_paged_attention.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -448,7 +448,8 @@ def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero
 
 
 def scatter_add(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> bool:
-    """`out.index_add_(0, rows[i:i+1], y[i:i+1])` for each i in turn, in one native call on this thread:
+    """`out.index_add_(0, rows[i:i+1], y[i:i+1])` for each i in turn, in one native call (a large one split
+    by columns over the pool, the same bits):
     out [R, N], y [m, N] contiguous in one dtype (bf16, fp16, fp32) on the CPU, rows int64 [m] within R
     (repeats allowed: each add rounds to the dtype before the next, in order). False (out untouched)
     where it does not apply."""
@@ -463,8 +464,14 @@ def scatter_add(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> bool:
     lib = _load()
     if lib is None:
         return False
-    return lib.sl_scatter_add(_DTYPES[out.dtype], out.data_ptr(), y.data_ptr(), rows.data_ptr(), y.shape[0],
-                              y.shape[1]) == 0
+    _sync_threads(lib)
+    pooled = _busy.acquire(blocking=False)    # (a prompt's adds split by columns on the pool; else here)
+    try:
+        return lib.sl_scatter_add(_DTYPES[out.dtype], out.data_ptr(), y.data_ptr(), rows.data_ptr(), y.shape[0],
+                                  y.shape[1], int(pooled)) == 0
+    finally:
+        if pooled:
+            _busy.release()
 
 
 MAX_HEAD_DIM = 256         # the C side's limit (an item's scratch lives on its thread's stack)

@@ -706,26 +706,30 @@ int sl_weighted_sum(int dtype, void *out, const void *start, const void *y, cons
     return 0;
 }
 
-/* out[rows[i]][j] += y[i][j] for i = 0 .. m-1 in turn (j < N), each add in float32 rounded to the dtype
- * before the next, as PyTorch's out.index_add_(0, rows[i:i+1], y[i:i+1]) one index at a time: a batch's
- * MoE step adds its routed pairs' weighted outputs (sorted by expert) to their tokens' sums this way, each
- * token's in ascending expert order. PyTorch's own index_add_ over all of them at once sums a row's
- * repeated 16-bit additions at a wider precision, and one call per expert cost a thread wake-up each. */
-int sl_scatter_add(int dtype, void *out, const void *y, const int64_t *rows, int64_t m, int64_t N) {
-    if (dtype < 0 || dtype > 2 || m < 0 || N < 0) return -1;
+typedef struct {
+    int dtype;
+    void *out;
+    const void *y;
+    const int64_t *rows;
+    int64_t m, N, cols;       /* columns per chunk */
+} scatter_job;
+
+static void scatter_cols(const scatter_job *s, int64_t j0, int64_t j1) {
+    const int dtype = s->dtype;
+    const int64_t N = s->N;
     size_t es = dtype == DT_F32 ? 4 : 2;
-    for (int64_t i = 0; i < m; i++) {
-        char *o = (char *)out + (size_t)rows[i] * N * es;
-        const char *src = (const char *)y + (size_t)i * N * es;
-        int64_t j = 0;
+    for (int64_t i = 0; i < s->m; i++) {
+        char *o = (char *)s->out + (size_t)s->rows[i] * N * es;
+        const char *src = (const char *)s->y + (size_t)i * N * es;
+        int64_t j = j0;
         if (dtype == DT_F32) {
             float *of = (float *)o;
             const float *sf = (const float *)src;
-            for (; j < N; j++) of[j] += sf[j];
+            for (; j < j1; j++) of[j] += sf[j];
             continue;
         }
 #if defined(__AVX512F__) && defined(__F16C__)
-        for (; j + 16 <= N; j += 16) {
+        for (; j + 16 <= j1; j += 16) {
             __m512 acc = _mm512_add_ps(load16(dtype, o, j, 0xffff), load16(dtype, src, j, 0xffff));
             if (dtype == DT_BF16)
                 _mm256_storeu_si256((__m256i *)((uint16_t *)o + j), _mm512_cvtepi32_epi16(bf16_round_bits(acc)));
@@ -734,8 +738,34 @@ int sl_scatter_add(int dtype, void *out, const void *y, const int64_t *rows, int
                                     _mm512_cvtps_ph(acc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
 #endif
-        for (; j < N; j++) store_elem(dtype, o, j, load_elem(dtype, o, j) + load_elem(dtype, src, j));
+        for (; j < j1; j++) store_elem(dtype, o, j, load_elem(dtype, o, j) + load_elem(dtype, src, j));
     }
+}
+
+static void scatter_chunk(const void *arg, int64_t c) {
+    const scatter_job *s = (const scatter_job *)arg;
+    int64_t j0 = c * s->cols;
+    scatter_cols(s, j0, j0 + s->cols < s->N ? j0 + s->cols : s->N);
+}
+
+/* out[rows[i]][j] += y[i][j] for i = 0 .. m-1 in turn (j < N), each add in float32 rounded to the dtype
+ * before the next, as PyTorch's out.index_add_(0, rows[i:i+1], y[i:i+1]) one index at a time: a batch's
+ * or a prompt's MoE step adds its routed pairs' weighted outputs (sorted by expert) to their tokens' sums
+ * this way, each token's in ascending expert order. PyTorch's own index_add_ over all of them at once sums
+ * a row's repeated 16-bit additions at a wider precision, and one call per expert cost a thread wake-up
+ * each. With `pooled` (the caller holds the pool) a large one is cut by columns across the pool: every
+ * element still takes its adds in the same order, so the bits do not depend on the threads. */
+int sl_scatter_add(int dtype, void *out, const void *y, const int64_t *rows, int64_t m, int64_t N, int pooled) {
+    if (dtype < 0 || dtype > 2 || m < 0 || N < 0) return -1;
+    scatter_job s = {dtype, out, y, rows, m, N, N};
+    if (!pooled || pool.n <= 1 || m * N < (1 << 18) || N < 256) {
+        scatter_cols(&s, 0, N);
+        return 0;
+    }
+    int64_t chunks = 4 * pool.n, cols = (N + chunks - 1) / chunks;
+    cols = (cols + 63) / 64 * 64;            /* whole cache lines of 16-bit values per chunk */
+    s.cols = cols;
+    run_pool(scatter_chunk, &s, (N + cols - 1) / cols);
     return 0;
 }
 

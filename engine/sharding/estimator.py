@@ -61,6 +61,13 @@ OPS_PER_EXPERT = 7     # kernels per touched expert (gather, gate/up, silu, mul,
 # (`moe._experts_batch`): the PyTorch ops around the jobs (the gather, the chunk, silu, mul, the weights'
 # scale and cast) per run of groups, whatever the number of routed experts; priced per group, at most.
 OPS_BULK_GROUP = 8
+# ... and the bytes those ops move per routed pair, in units of the pair's hidden-size and intermediate-size
+# rows: the gather (read, write), the weighted outputs (read, scale, cast) and the ordered add (read the
+# output row, read and write the sum); silu and mul over gate and up (read two, write one, a temporary).
+# On the H200 host the ops around a 512-token layer's jobs took 6.2 ms beside 22 ms in the jobs with the
+# add on one thread (moe_cpu_experts, session 12); the add now runs on the pool.
+BULK_HIDDEN_PASSES = 7
+BULK_INTER_PASSES = 5
 OPS_PER_EXPERT_SINGLE = 5   # in a one-token step (gate/up, silu, mul, down, multiply-add)
 # A resident expert group in a step of 2 to moe.FEW_TOKENS tokens runs inside its layer's one call
 # (`moe.layer_few_tokens`): all of its experts over the tokens, in this many kernels (the routing masks,
@@ -160,6 +167,10 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
                 bulk = side == "cpu" and n > 1 and cpu_bulk_gflops(prof, dt, cfg, n)
                 if bulk:
                     t = touched * rows_per * 6 * cfg.hidden_size * cfg.moe_intermediate_size / (bulk * 1e6)
+                    # the routed pairs' rows through the ops around the jobs (gather, silu and mul, the
+                    # weights' scale and cast, the ordered add): memory-bound, size-proportional
+                    t += prof.mem_ms("cpu", touched * rows_per * db * (BULK_HIDDEN_PASSES * cfg.hidden_size
+                                                                       + BULK_INTER_PASSES * cfg.moe_intermediate_size))
                 if side == "gpu" and padded:
                     t = sub.n_experts * prof.gemm_ms(side, dt, "ffn", 6 * cfg.hidden_size
                                                      * cfg.moe_intermediate_size, padded_rows)

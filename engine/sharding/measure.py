@@ -218,11 +218,11 @@ EXPERTS_PER_JOB = 16
 
 
 def experts_table(sizes: Sizes, step: _Steps, shape: tuple[int, int] = EXPERT_SHAPE) -> dict[str, list[list[float]]]:
-    """dtype -> [[rows per expert, achieved GFLOP/s], ...] of one native job over EXPERTS_PER_JOB expert
+    """dtype -> [[mean rows per expert, achieved GFLOP/s], ...] of one native job over EXPERTS_PER_JOB expert
     matrices picked from a stack (`kernels.linear_stacked` with row counts: how a step's CPU expert groups
-    run, `moe._experts_batch`), cycling through a stack larger than the caches. A row count the kernel
-    does not take (past 16 rows without AMX tiles; no kernel at all) ends that dtype's table, so the
-    estimator prices only what the engine runs natively."""
+    run, `moe._experts_batch`), cycling through a stack larger than the caches. A mean whose busiest expert
+    the kernel does not take (past 16 rows without AMX tiles; no kernel at all) ends that dtype's table,
+    so the estimator prices only what the engine runs natively."""
     from engine import kernels
 
     kernels.status(wait=True)
@@ -243,11 +243,15 @@ def experts_table(sizes: Sizes, step: _Steps, shape: tuple[int, int] = EXPERT_SH
                  for i in range(max(1, count // EXPERTS_PER_JOB))]
         rows = []
         for r in EXPERT_ROWS:
-            job = _expert_job(stack, picks, torch.randn(EXPERTS_PER_JOB * r, k).to(dt), [r] * EXPERTS_PER_JOB)
+            # rows per expert as a step routes them: Poisson about r (at least one), not all alike (the
+            # tiles pad a ragged last block of 32)
+            counts = [max(1, int(c)) for c in torch.poisson(torch.full((EXPERTS_PER_JOB,), float(r)),
+                                                             generator=torch.Generator().manual_seed(r))]
+            job = _expert_job(stack, picks, torch.randn(sum(counts), k).to(dt), counts)
             if job(0) is None:
                 break
             sec = time_host(job, sizes.min_time_s)
-            rows.append([r, round(2.0 * r * n * k * EXPERTS_PER_JOB / sec / 1e9, 4)])
+            rows.append([r, round(2.0 * sum(counts) * n * k / sec / 1e9, 4)])
         if rows:
             out[dtype] = rows
     return out

@@ -356,6 +356,30 @@ def test_scatter_add_matches_index_add_one_index_at_a_time(dtype, n):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_prompt_sized_scatter_add_split_across_threads_keeps_the_order(dtype):
+    """A prompt's scatter (hundreds of pairs, thousands of columns) is cut by columns across the pool;
+    each element still takes its adds in order: the bits of `index_add_` one index at a time."""
+    g = torch.Generator().manual_seed(7)
+    m, n = 640, 2080
+    rows = torch.randint(0, 90, (m,), generator=g)
+    y = torch.randn(m, n, generator=g).to(dtype)
+    out0 = torch.randn(90, n, generator=g).to(dtype)
+    want = out0.clone()
+    for i in range(m):
+        want.index_add_(0, rows[i:i + 1], y[i:i + 1])
+    threads = torch.get_num_threads()
+    try:
+        for t in sorted({1, 2, threads}):
+            torch.set_num_threads(t)
+            got = out0.clone()
+            assert kernels.scatter_add(got, rows, y)
+            assert torch.equal(got, want), t
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 def test_batch_step_without_the_scatter_kernel_adds_expert_by_expert(monkeypatch):
     """Where `kernels.scatter_add` declines, the bulk path adds one `index_add_` per expert: the same
     bits."""

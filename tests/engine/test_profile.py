@@ -346,7 +346,8 @@ def test_update_cli_adds_the_attention_factor_to_a_stored_profile(tmp_path):
 
 def test_the_expert_job_table_covers_the_rows_the_kernel_takes(monkeypatch):
     """The CPU section's expert-job table (`measure.experts_table`) has a rate per rows-per-expert count
-    for each dtype the native kernel runs, up to 16 rows, and past them only for bf16 on AMX tiles."""
+    for each dtype the native kernel runs, while the busiest expert of a Poisson draw about it stays within
+    16 rows, and past them only for bf16 on AMX tiles."""
     from engine import kernels
     from engine.sharding import measure
 
@@ -359,7 +360,7 @@ def test_the_expert_job_table_covers_the_rows_the_kernel_takes(monkeypatch):
     for dtype, rows in table.items():
         counts = [r for r, _ in rows]
         assert counts == sorted(counts) and all(g > 0 for _, g in rows)
-        top = 256 if dtype == "bfloat16" and kernels.tiles() else 16
+        top = 256 if dtype == "bfloat16" and kernels.tiles() else 4     # (Poisson about 16 passes 16)
         assert counts[-1] == top, (dtype, counts)
     monkeypatch.setattr(kernels, "_amx_tiles", False)
-    assert [r for r, _ in measure.experts_table(sizes, measure._Steps(2, None), shape=(64, 96))["bfloat16"]][-1] == 16
+    assert [r for r, _ in measure.experts_table(sizes, measure._Steps(2, None), shape=(64, 96))["bfloat16"]][-1] == 4
