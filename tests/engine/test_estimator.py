@@ -209,8 +209,14 @@ def test_cpu_expert_groups_of_a_prompt_are_priced_from_the_expert_job_table():
     """With the profile's expert-job table, a step's CPU expert groups are priced at its rate for their
     rows per expert and a fixed number of ops (one native job per projection); without it, or past the
     rows it measured (no tiles: the engine goes expert by expert), as before."""
-    from engine.sharding.estimator import (BULK_HIDDEN_PASSES, BULK_INTER_PASSES, NATIVE_CALLS_EXPERTS_PER_LAYER,
-                                           OPS, OPS_BULK_GROUP, step_costs)
+    from engine.sharding.estimator import (
+        BULK_HIDDEN_PASSES,
+        BULK_INTER_PASSES,
+        NATIVE_CALLS_EXPERTS_PER_LAYER,
+        OPS,
+        OPS_BULK_GROUP,
+        step_costs,
+    )
 
     spec = ModelSpec.from_config(get_shape("qwen3-30b-a3b"))
     cfg = spec.config
