@@ -28,6 +28,11 @@ _POLL_S = 0.0002
 _SPIN_S = 0.002      # busy-poll this long before sleeping between polls (a sleep costs ~0.1-0.3 ms more)
 CONTEXT_FALLBACK = 640 << 20          # a CUDA context + cuBLAS workspaces where NVML cannot say
 ALLOCATOR_MARGIN = (160 << 20, 0.02)  # allocator rounding, workspaces, unbooked temporaries: max(160 MiB, 2%)
+# Kept free under the allocator's cap (out of ALLOCATOR_MARGIN, so bookings do not shrink) for the kernels
+# CUDA loads lazily on first use, outside the allocator, until budget changes have seen them: on the H200
+# the MoE shape's 2 GiB row peaked 12-16 MiB over its budget at the first budget of a run once the
+# bookings filled the cap (session 12, calls X and Z), and about 90 MiB had loaded after a batched decode.
+LAZY_KERNEL_ROOM = 96 << 20
 
 
 def process_vram_bytes(index: int = 0) -> int | None:
@@ -170,6 +175,7 @@ class Accelerator:
         else:
             self._copy_stream = None
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-copy")
+        self.start_overhead = self.overhead
 
     @property
     def name(self) -> str:
@@ -196,9 +202,17 @@ class Accelerator:
         if nvml is not None:
             self.overhead = max(self.overhead, nvml - torch.cuda.memory_reserved(self.device))
 
+    def lazy_room(self) -> int:
+        """Bytes the allocator's cap keeps free for kernels still to load: LAZY_KERNEL_ROOM less what the
+        overhead has grown by since start (0 where the overhead is given by SLIPSTREAM_VRAM_OVERHEAD)."""
+        if self.kind != "cuda" or os.environ.get("SLIPSTREAM_VRAM_OVERHEAD") is not None:
+            return 0
+        return max(0, LAZY_KERNEL_ROOM - (self.overhead - self.start_overhead))
+
     def cap_allocator(self, budget: int) -> float | None:
         """Hold PyTorch's caching allocator to what a whole-process `budget` leaves after the process
-        overhead (the bookings plus the allocator margin). Bookings count live buffers; the allocator can
+        overhead and the room for kernels still to load (`lazy_room`): the bookings plus the rest of the
+        allocator margin. Bookings count live buffers; the allocator can
         still keep freed blocks it cannot reuse yet (a block last used by the copy stream waits for its
         event) and reserve new segments beside them: on the H200, batched decode at a 4 GiB budget grew
         the reserved bytes to 4.9 GiB with 3.1 GiB live. At the cap the allocator frees its cached blocks
@@ -206,7 +220,7 @@ class Accelerator:
         if self.kind != "cuda" or budget <= 0 or os.environ.get("SLIPSTREAM_VRAM_OVERHEAD") == "0":
             return None
         total = torch.cuda.get_device_properties(self.device).total_memory
-        fraction = min(1.0, max(budget - self.overhead, 0) / total)
+        fraction = min(1.0, max(budget - self.overhead - self.lazy_room(), 0) / total)
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
         return fraction
 

@@ -162,6 +162,36 @@ def test_generation_over_host_kv_keeps_tokens(tiny_model):
     eng.close()
 
 
+def test_host_kv_attention_over_blocks_out_of_order_gives_the_tokens_of_each_alone(tiny_model, monkeypatch):
+    """Attention streamed over the host-resident pool reads a sequence's cached positions through its
+    block table: where two sequences grew side by side their blocks interleave, and the read gathers them
+    (into pinned memory beside a GPU, so the copy does not wait for the GPU's queue). Each gives the
+    tokens it gives alone."""
+    path = tiny_model("llama3")
+    eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB")
+    names = [s.name for s in eng.spec.sublayers]
+    gpu_attn = {n: (Placement.STREAMED if n.endswith(".attn") else Placement.CPU) for n in names}
+    force_planset(eng, PlanSet(eng.budget, [Plan(t, "manual", dict(gpu_attn), 2, kv_layers=0) for t in eng.tiers],
+                               step_tokens=16))       # (prompts in steps of 16 tokens: one block each)
+    prompts = ["the quick brown fox jumps over the lazy dog " * 3, "a lazy dog sleeps all day long in the sun " * 3]
+    alone = [[e.token_id for e in eng.generate(p, max_new_tokens=12) if e.token_id is not None] for p in prompts]
+    kv = eng.executor.kv
+    gathered = []
+    real = kv._block_parts
+
+    def spy(pool, seq, length, pin=False):
+        blocks = seq.block_table[:-(-length // 16)]
+        gathered.append(blocks != list(range(blocks[0], blocks[0] + len(blocks))))
+        return real(pool, seq, length, pin)
+
+    monkeypatch.setattr(kv, "_block_parts", spy)
+    handles = [eng.submit(p, max_new_tokens=12) for p in prompts]
+    together = [[e.token_id for e in h if e.token_id is not None] for h in handles]
+    assert any(gathered)
+    assert together == alone
+    eng.close()
+
+
 def test_fp8_cache_over_host_kv_matches_cpu(tiny_model):
     """With an FP8 KV cache, attention streamed over the host-resident pool sees this step's keys and
     values rounded as the pool stores them, as the CPU's attention (which reads them back) does: the

@@ -121,3 +121,32 @@ def test_slot_views_are_cut_once_and_dropped_with_their_slots():
     store.set_slots(1, store.nbytes("layers.0.ffn"))
     again = store.slot_views(0, "layers.0.ffn")
     assert again is not first and again["gate_up.weight"].data_ptr() == store.slots[0].data_ptr()
+
+
+def test_the_cap_keeps_room_for_kernels_still_to_load(monkeypatch):
+    """The allocator's cap sits LAZY_KERNEL_ROOM under the budget less the overhead (CUDA loads kernels
+    lazily, outside the allocator), less what the overhead has already grown by, and that room comes out
+    of the bookings' margin, not out of what plans may book."""
+    from engine.sharding import device as dev
+
+    assert dev.LAZY_KERNEL_ROOM < dev.ALLOCATOR_MARGIN[0]
+    monkeypatch.delenv("SLIPSTREAM_VRAM_OVERHEAD", raising=False)
+    accel = object.__new__(dev.Accelerator)
+    accel.kind, accel.device = "cuda", torch.device("cuda", 0)
+    accel.overhead = accel.start_overhead = 800 * MiB
+    total = 80 << 30
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": total}))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d=None: fractions.append(f))
+    budget = 2 << 30
+    accel.cap_allocator(budget)
+    assert fractions[-1] * total == pytest.approx(budget - 800 * MiB - dev.LAZY_KERNEL_ROOM)
+    accel.overhead += 40 * MiB                 # kernels seen loading: the room left shrinks by as much
+    accel.cap_allocator(budget)
+    assert fractions[-1] * total == pytest.approx(budget - 840 * MiB - (dev.LAZY_KERNEL_ROOM - 40 * MiB))
+    accel.overhead += 200 * MiB
+    accel.cap_allocator(budget)
+    assert fractions[-1] * total == pytest.approx(budget - 1040 * MiB)
+    assert accel.usable(budget) == budget - 1040 * MiB - dev.ALLOCATOR_MARGIN[0]
+    monkeypatch.setenv("SLIPSTREAM_VRAM_OVERHEAD", str(64 * MiB))
+    assert accel.lazy_room() == 0
