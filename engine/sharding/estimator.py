@@ -137,6 +137,22 @@ def cpu_bulk_gflops(prof: ProfileDatabase, dt: str, cfg, n: int) -> float | None
     return prof.experts_gflops(dt, n * cfg.num_experts_per_tok / touched)     # (rows of a touched expert)
 
 
+# A MoE state's move between host and GPU (`moe.MoeState.to`: the parts packed into one buffer and copied;
+# pageable memory on the host side, so the host waits for the copy and for the GPU's queue before it) at an
+# effective rate: 6.3 MB took 1.15 ms a move on the H200 (5.5 GB/s; call ZZ, session 12, a 512-token step
+# of the MoE shape at 2 GiB), against 0.12 ms priced at the link's pinned rate. At this rate the estimator
+# prices call Z's measured steps of the same code (24 layers): the tier-1024 plan mixing 64 CPU groups into
+# the streamed ones 766 / 696 ms at 2 / 4 GiB (437 / 433 predicted before), which streaming every group
+# beats (557 / 525); and session 10's tier-64 and tier-256 mixed plans stay ahead of streaming, as call Q
+# measured them (288-299 and 438-458 ms against 508-521, 4 GiB).
+STATE_MOVE_GBPS = 5.5
+
+
+def state_move_ms(prof: ProfileDatabase, nbytes: float) -> float:
+    """A MoE state of `nbytes` moved between host and GPU, either way (see STATE_MOVE_GBPS)."""
+    return prof.link["latency_us"] / 1e3 + nbytes / (STATE_MOVE_GBPS * 1e6)
+
+
 def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: int,
                head_rows: int | None = 1) -> StepCosts:
     cfg, db, dt = spec.config, spec.dtype_bytes, dtype_name(spec)
@@ -212,8 +228,8 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
         # Into an expert group: the MoE state (three hidden-sized tensors and the sorted routing).
         state_bytes = 3 * hidden_bytes + n * cfg.num_experts_per_tok * 12
         is_exp = np.array([s.kind == "experts" for s in spec.sublayers])
-        to_gpu[is_exp] = prof.move_ms(state_bytes, True)
-        extra = np.where(is_exp, prof.move_ms(state_bytes, False) - move_to_cpu, 0.0)
+        to_gpu[is_exp] = state_move_ms(prof, state_bytes)
+        extra = np.where(is_exp, state_move_ms(prof, state_bytes) - move_to_cpu, 0.0)
     routed = routed_copies(spec, prof, n) if routed_streaming(cfg, n) else (None, None, None)
     kv_bytes = np.array([(ctx + n) * s.kv_bytes_per_token if s.kind == "attn" else 0 for s in spec.sublayers],
                         dtype=float)

@@ -316,3 +316,26 @@ def test_prompt_tiers_mix_cpu_and_streamed_expert_groups_once_their_launches_are
                  for n, p in plan.placement.items()}
         streamed = Estimator(spec, prof).estimate(every, 256, 256, plan.n_slots, plan.kv_layers)
         assert plan.predicted_ms < 0.85 * streamed, (plan.predicted_ms, streamed)
+
+
+def test_moe_prompt_tiers_mix_cpu_groups_only_where_the_state_moves_pay():
+    """On the H200 profile, the Qwen3-30B-A3B shape (24 layers) at the room of a 2 GiB budget: a
+    1024-token step streams every expert group (call Z, session 12: mixing 64 CPU groups in took 766 ms
+    against 557 streaming them all), while 64- and 256-token steps keep CPU groups among the streamed
+    ones (call Q, session 11: 288-299 and 438-458 ms against 508-521). A MoE state moved between host and
+    GPU is priced at its measured rate (`estimator.STATE_MOVE_GBPS`)."""
+    import dataclasses
+    from pathlib import Path
+
+    from engine.bench.shapes import get_shape
+    from engine.commands.plan import profile_from_file
+
+    prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
+    cfg = dataclasses.replace(get_shape("qwen3-30b-a3b"), num_layers=24)
+    ps = Planner(ModelSpec.from_config(cfg), prof).plan(1155530752, kv_tokens=4096)
+
+    def cpu_groups(tier):
+        return sum(1 for n, p in ps.for_tokens(tier).placement.items() if ".experts." in n and p is Placement.CPU)
+
+    assert cpu_groups(1024) == 0
+    assert cpu_groups(64) > 0 and cpu_groups(256) > 0
