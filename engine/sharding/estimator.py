@@ -164,6 +164,7 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
     ms = {side: np.zeros(len(spec.sublayers)) for side in ("cpu", "gpu")}
     res = {}                    # sub-layer -> its GPU milliseconds where resident, where that differs
     padded = cfg.is_moe and n > FEW_TOKENS and not routed_streaming(cfg, n)
+    bulk_rate = cpu_bulk_gflops(prof, dt, cfg, n) if cfg.is_moe and n > 1 else None
     if padded:   # rows of an expert in a padded run: the widest expert's, about the mean + 3 sigma (Poisson)
         mean = n * cfg.num_experts_per_tok / cfg.num_experts
         padded_rows = min(n, mean + 3 * math.sqrt(mean) + 1)
@@ -180,9 +181,8 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
                 rows_per = n * cfg.num_experts_per_tok * sub.n_experts / cfg.num_experts / touched  # >= 1
                 t = touched * prof.gemm_ms(side, dt, "ffn", 6 * cfg.hidden_size * cfg.moe_intermediate_size,
                                            rows_per)
-                bulk = side == "cpu" and n > 1 and cpu_bulk_gflops(prof, dt, cfg, n)
-                if bulk:
-                    t = touched * rows_per * 6 * cfg.hidden_size * cfg.moe_intermediate_size / (bulk * 1e6)
+                if side == "cpu" and bulk_rate:
+                    t = touched * rows_per * 6 * cfg.hidden_size * cfg.moe_intermediate_size / (bulk_rate * 1e6)
                     # the routed pairs' rows through the ops around the jobs (gather, silu and mul, the
                     # weights' scale and cast, the ordered add): memory-bound, size-proportional
                     t += prof.mem_ms("cpu", touched * rows_per * db * (BULK_HIDDEN_PASSES * cfg.hidden_size
@@ -197,7 +197,7 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
             if sub.kind == "experts" and side == "gpu" and padded:
                 runs = math.ceil(sub.n_experts * padded_rows / n)
                 n_ops += runs * OPS_PADDED_RUN + OPS_PADDED_EXPERT * spec.expected_experts(sub, n)
-            elif sub.kind == "experts" and side == "cpu" and n > 1 and cpu_bulk_gflops(prof, dt, cfg, n):
+            elif sub.kind == "experts" and side == "cpu" and bulk_rate:
                 n_ops += OPS_BULK_GROUP
             elif sub.kind == "experts":
                 n_ops += (OPS_PER_EXPERT if n > 1 else OPS_PER_EXPERT_SINGLE) * spec.expected_experts(sub, n)
