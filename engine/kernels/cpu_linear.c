@@ -236,11 +236,11 @@ static __attribute__((unused)) void dots_scalar(int dtype, const void *x, const 
 }
 
 /* ---- AMX tiles for matmuls of many rows (bf16) ----------------------------------------------------
- * Past MAX_AMX_ROWS rows (a prompt's routed experts: about 32 rows each at 512 tokens), the dot products
+ * From MIN_AMX_ROWS rows (a prompt's routed experts: about 32 rows each at 512 tokens), the dot products
  * above grow with the rows and the kernel stops being bound by DRAM. Where the CPU has AMX (and the OS
  * lends the tile state: sl_amx_ready), such a matmul runs on the tile unit instead: 32 weight rows (two
- * A tiles, read as they lie in memory) against 32 tokens (two B tiles, the activations packed once per
- * block into pairs of k), into four float32 accumulator tiles: C^T = W X^T, 16 x 16 each, then rounded
+ * A tiles, read as they lie in memory) against 32 tokens (two B tiles: the activations packed into pairs
+ * of k once per job, before its rows are shared out: amx_prepare), into four float32 accumulator tiles: C^T = W X^T, 16 x 16 each, then rounded
  * once to bf16 as the vector path rounds. The tile configuration is loaded at the start of every run and
  * released at its end, so another library's tile use on the same thread (oneDNN inside PyTorch) never
  * meets a stale configuration. */
