@@ -13,7 +13,7 @@ cp carry/h200-profile.json $W/profile.json; export SLIPSTREAM_PROFILE_DB=$W/prof
 T0=$(date +%s); D=$(( T0 + ${BUDGET_S:-520} ))
 step() { echo "=== $1 ($(( $(date +%s) - T0 )) s)"; }
 step tests
-SLIPSTREAM_TEST_DEVICE=cuda timeout 90 python3 -m pytest -q -p no:cacheprovider --tb=short tests/engine/test_executor.py tests/engine/test_vram_cap.py tests/engine/test_host_kv.py 2>&1 | grep -v "^  *File\|^$" | tail -30 > $W/tests.txt; tail -4 $W/tests.txt
+SLIPSTREAM_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short tests/engine/test_executor.py tests/engine/test_vram_cap.py tests/engine/test_host_kv.py tests/engine/test_moe_host_path.py 2>&1 | grep -v "^  *File\|^$" | tail -30 > $W/tests.txt; tail -4 $W/tests.txt
 step "diag llama"
 timeout 80 python3 carry/diag_prefill.py llama3-8b 2GiB 0 4096 2>&1 | tee $W/diag-llama.txt | head -8
 step suite
