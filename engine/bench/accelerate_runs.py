@@ -40,16 +40,23 @@ def hf_config(scenario):
 
 
 def build_model(cfg):
-    """The model on the CPU in bf16, weights uniform in +-0.02 (init skipped: values do not change speed)."""
+    """The model on the CPU in bf16 with random weights (init skipped): norms at one, the rest normal with the
+    engine's benchmark deviations (`random_std`: values do not change speed, but a MoE model's routing must
+    spread as a trained model's does)."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from engine.loading.random_init import random_std
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model = model.to_empty(device="cpu")
     with torch.no_grad():
-        for p in model.parameters():
-            p.uniform_(-0.02, 0.02)
+        for name, p in model.named_parameters():
+            if "norm" in name.rsplit(".", 2)[-2]:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, random_std(name))
         for name, b in model.named_buffers():
             if "inv_freq" in name:            # to_empty left it uninitialised: recompute as the model would
                 dim = b.numel() * 2

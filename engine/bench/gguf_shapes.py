@@ -5,8 +5,10 @@
 Shapes: the dense Llama-3-8B (from `engine.bench.shapes`), the Qwen3-30B-A3B mixture of experts (its
 published config; `--layers` keeps the first N of its 48 layers) and tiny versions of both for dry runs.
 Weights are F16 by default (llama.cpp's most optimised 16-bit path; bf16 has the same bytes), BF16, or
-F32 holding the F16 file's values (a reference for tests), drawn once (normal, std 0.02) and reused as
-views, so a 16 GB file takes seconds plus the disk write.
+F32 holding the F16 file's values (a reference for tests), drawn once (normal) and reused as views, so a
+16 GB file takes seconds plus the disk write; the standard deviations are the engine's random models'
+(`engine.loading.random_init.random_std`: 0.02, a wide embedding and narrow residual writes), so that a MoE
+shape's tokens spread over the experts as a trained model's do instead of all routing alike.
 The tokenizer metadata is copied from a vocabulary-only GGUF of the model family when one is found in
 `--vocab-dir` (llama.cpp ships them: models/ggml-vocab-*.gguf), padded with unused tokens to the shape's
 vocabulary size; otherwise a synthetic SentencePiece-style vocabulary of the right size is written
@@ -151,6 +153,8 @@ def write_gguf(shape: GgufShape, out: Path, vocab_dir: Path | None = None, dtype
     """Write `shape` with random weights to `out`; returns facts about the file."""
     import gguf
 
+    from engine.loading.random_init import random_std
+
     out.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(out), shape.arch)
     w.add_context_length(shape.context)
@@ -181,15 +185,22 @@ def write_gguf(shape: GgufShape, out: Path, vocab_dir: Path | None = None, dtype
 
     rng = np.random.default_rng(seed)
     biggest = max([shape.vocab * shape.hidden] + [int(np.prod(s)) for _, s in shape.layer_tensors()])
-    base = (rng.standard_normal(biggest, dtype=np.float32) * 0.02).astype(np.float16)
-    if dtype == "bf16":
-        base = (base.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    elif dtype == "f32":                 # the f16 file's values exactly (a reference for readers without f16)
-        base = base.astype(np.float32)
+    unit = rng.standard_normal(biggest, dtype=np.float32)
+    bases: dict[float, np.ndarray] = {}      # one base per standard deviation (`random_std`)
+
+    def base_of(std: float) -> np.ndarray:
+        if std not in bases:
+            b = (unit * std).astype(np.float16)
+            if dtype == "bf16":
+                b = (b.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            elif dtype == "f32":         # the f16 file's values exactly (a reference for readers without f16)
+                b = b.astype(np.float32)
+            bases[std] = b
+        return bases[std]
     raw = gguf.GGMLQuantizationType.BF16 if dtype == "bf16" else None
 
     def add(name: str, shape_: tuple[int, ...]) -> None:
-        arr = base[:int(np.prod(shape_))].reshape(shape_)
+        arr = base_of(random_std(name))[:int(np.prod(shape_))].reshape(shape_)
         if raw is None:
             w.add_tensor(name, arr)
         else:
@@ -215,7 +226,7 @@ def write_gguf(shape: GgufShape, out: Path, vocab_dir: Path | None = None, dtype
     w.write_tensors_to_file(progress=False)
     w.close()
     return {"path": str(out), "bytes": out.stat().st_size, "dtype": dtype, "layers": shape.layers,
-            "arch": shape.arch, "vocab": vocab}
+            "arch": shape.arch, "vocab": vocab, "weight_stds": sorted(bases)}
 
 
 def main(argv: list[str] | None = None) -> int:

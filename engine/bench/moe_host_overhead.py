@@ -155,7 +155,7 @@ def timed_pass(eng, steps: int, clock) -> tuple[dict, list[int]]:
     # (owner, function, component); functions an older tree lacks are skipped
     table = [(moe, "router_block", "router"), (moe, "linear", "router norm+matmul"),
              (moe, "rms_norm", "router norm+matmul"), (moe.MoeState, "to", "state transfer"),
-             (moe, "_moved", "state transfer"), (moe, "experts_blocks", "experts: torch ops"),
+             (moe, "packed_move", "state transfer"), (moe, "experts_blocks", "experts: torch ops"),
              (moe, "_experts_native", "experts: native glue"), (moe, "_experts_decode", "experts: native glue"),
              (moe, "_add_expert", "add expert outputs"), (kernels, "weighted_sum", "add expert outputs"),
              (moe, "finish", "finish"), (kernels, "linear_many", "kernel call (python)"),

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from engine import kernels
 from engine.config import MOE_FEW_TOKENS, ModelConfig
 from engine.models.dense import linear, rms_norm
+from engine.models.transfer import packed_move
 
 
 @dataclass(slots=True)
@@ -46,32 +47,16 @@ class MoeState:
     def device(self) -> torch.device:
         return self.x.device
 
-    def to(self, device) -> MoeState:
-        """The state on `device`, its tensors moved in one packed copy (a sum still zero is not moved: it is
-        made where the first expert adds to it)."""
+    def to(self, device, wait=None) -> MoeState:
+        """The state on `device`, its tensors moved in one packed copy (`transfer.packed_move`; `wait`: see
+        there) (a sum still zero is not moved: it is made where the first expert adds to it)."""
         device = torch.device(device)
         if self.x.device == device or (device.index is None and self.x.device.type == device.type):
             return self
         parts = [self.x, self.h, self.rows, self.weights] + ([] if self.out is None else [self.out])
-        moved = _moved(parts, device)
+        moved = packed_move(parts, device, wait)
         return MoeState(moved[0], moved[1], moved[4] if self.out is not None else None, moved[2], moved[3],
                         self.bounds)
-
-
-def _moved(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
-    """`[t.to(device) for t in tensors]` in one copy: their bytes packed back to back, the widest elements
-    first so that every view of the buffer stays aligned (each part's size is a multiple of its own
-    element size)."""
-    order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
-    flat = [tensors[i].reshape(-1).view(torch.uint8) for i in order]
-    buf = torch.cat(flat).to(device)
-    out: list[torch.Tensor] = [None] * len(tensors)   # type: ignore[list-item]
-    at = 0
-    for i, f in zip(order, flat):
-        t, nb = tensors[i], f.numel()
-        out[i] = buf[at:at + nb].view(t.dtype).view(t.shape)
-        at += nb
-    return out
 
 
 def _sum(s: MoeState) -> torch.Tensor:
@@ -108,9 +93,7 @@ def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, 
         # The state goes to the host anyway: the top k come with it in one copy and are sorted there. On a
         # GPU the sort and the count are a dozen launches, one of them (bincount) a sync of its own, for a
         # few dozen integers; the same stable sort and counts on the CPU give the same state.
-        if sync is not None:
-            sync()
-        x, h, top_w, top_i = _moved([x, h, top_w, top_i], "cpu")
+        x, h, top_w, top_i = packed_move([x, h, top_w, top_i], "cpu", sync)
     rows, weights, ends = _sorted_pairs(cfg, top_w, top_i)
     if sync is not None and x.device.type != "cpu":
         sync()

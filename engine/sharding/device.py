@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.errors import OutOfBudgetError
+from engine.models.transfer import packed_move
 from engine.units import format_bytes
 
 TAGS = ("weights", "kv", "slots", "scratch")
@@ -296,15 +297,26 @@ class Accelerator:
             if time.perf_counter() > spin_until:
                 time.sleep(_POLL_S)
 
-    def to_host(self, x: torch.Tensor) -> torch.Tensor:
-        """Activations device -> CPU without a spinning wait."""
+    def to_host(self, x):
+        """Activations (a tensor or a MoE state) device -> CPU through pinned memory (`packed_move`), the
+        host's one wait for the GPU's queue and the copy not spinning."""
         if self.kind != "cuda":
             return x
-        self.wait_event_host(self.compute_event())
-        return x.to("cpu")
+        wait = self._wait_queued
+        if isinstance(x, torch.Tensor):
+            return packed_move([x], "cpu", wait)[0]
+        return x.to("cpu", wait)
 
-    def to_device(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(self.device) if self.kind == "cuda" else x
+    def to_device(self, x):
+        """Activations (a tensor or a MoE state) CPU -> device from a pinned staging buffer, not waited for."""
+        if self.kind != "cuda":
+            return x
+        if isinstance(x, torch.Tensor):
+            return packed_move([x], self.device)[0]
+        return x.to(self.device)
+
+    def _wait_queued(self) -> None:
+        self.wait_event_host(self.compute_event())
 
     def synchronize(self) -> None:
         if self.kind == "cuda":

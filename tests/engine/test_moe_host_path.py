@@ -7,8 +7,9 @@
 - a decode step through `_experts_decode` gives the logits of the `linear_many` path (the one before it)
   to the bit on the CPU: qwen3_moe in float32 (summed by PyTorch) and bf16 (summed natively), mixtral in
   bf16 (float32 routing weights: summed by PyTorch);
-- the packed state transfer (`moe._moved`) gives back each tensor's dtype, shape and values, and a state
-  moved that way finishes to the same residual stream.
+- the packed state transfer (`transfer.packed_move`) gives back each tensor's dtype, shape and values, and a
+  state moved that way finishes to the same residual stream; on CUDA through pinned memory both ways, and
+  a state moved to the GPU and back gives the same residual stream.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from engine import kernels
 from engine.config import ModelConfig
 from engine.models import moe
+from engine.models.transfer import MAX_PINNED_BYTES, packed_move
 
 needs_kernel = pytest.mark.skipif(kernels._load() is None, reason=f"no native kernel: {kernels.status()}")
 
@@ -129,14 +131,56 @@ def test_packed_transfer_keeps_every_tensor():
     parts = [torch.randn(3, 5, generator=g).to(torch.bfloat16), torch.arange(7),
              torch.randn(3, generator=g), torch.randn(1, 3, generator=g).to(torch.float16),
              torch.randint(0, 9, (2, 3), generator=g)]
-    moved = moe._moved(parts, "cpu")
+    moved = packed_move(parts, "cpu")
     for a, b in zip(parts, moved):
         assert (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(a, b)
         assert a.data_ptr() != b.data_ptr()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_packed_state_finishes_the_same(arch):
+def test_packed_transfer_of_one_tensor_copies_it():
+    x = torch.arange(6).view(2, 3)
+    (y,) = packed_move([x], "cpu")
+    assert torch.equal(x, y) and x.data_ptr() != y.data_ptr()
+
+
+@pytest.mark.gpu
+def test_packed_transfer_through_pinned_memory_both_ways():
+    """Host -> GPU from a pinned staging buffer (no wait), GPU -> host into pinned memory after the wait:
+    the same values, on the host side pinned; a part written on the GPU just before the move (queued
+    work) arrives written; past MAX_PINNED_BYTES the move is pageable and still exact."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    g = torch.Generator().manual_seed(4)
+    parts = [torch.randn(64, 48, generator=g).to(torch.bfloat16), torch.arange(9), torch.randn(5, generator=g)]
+    on_gpu = packed_move(parts, "cuda")
+    assert all(t.is_cuda for t in on_gpu)
+    on_gpu[0].mul_(2)                                   # queued on the stream before the move back
+    waited = []
+    back = packed_move(on_gpu, "cpu", lambda: (waited.append(1), torch.cuda.current_stream().synchronize()))
+    assert waited == [1]
+    assert torch.equal(back[0], parts[0] * 2) and torch.equal(back[1], parts[1]) and torch.equal(back[2], parts[2])
+    assert all(t.is_pinned() for t in back)
+    big = torch.randint(0, 255, (MAX_PINNED_BYTES + 64,), dtype=torch.uint8, generator=g)
+    (big_gpu,) = packed_move([big], "cuda")
+    (big_back,) = packed_move([big_gpu], "cpu")
+    assert torch.equal(big_back, big) and not big_back.is_pinned()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 5])
+def test_state_moved_to_the_gpu_and_back_finishes_the_same(n):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    cfg, w = _small_moe("qwen3_moe")
+    x = torch.randn(n, 32, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+    want = moe.finish(moe.experts_block(cfg, w, moe.router_block(cfg, w, x), range(8)))
+    s = moe.experts_block(cfg, w, moe.router_block(cfg, w, x), range(4))
+    back = s.to("cuda").to("cpu")
+    assert back.x.is_pinned()
+    assert torch.equal(moe.finish(moe.experts_block(cfg, w, back, range(4, 8))), want)
+
+
+def _small_moe(arch):
     cfg = ModelConfig(arch=arch, vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=16, rope_theta=1e4, max_position_embeddings=64, dtype="bfloat16",
                       num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -146,13 +190,20 @@ def test_packed_state_finishes_the_same(arch):
          "router.weight": torch.randn(8, 32, generator=g).to(torch.bfloat16),
          "experts.gate_up.weight": (torch.randn(8, 32, 32, generator=g) * 0.1).to(torch.bfloat16),
          "experts.down.weight": (torch.randn(8, 32, 16, generator=g) * 0.1).to(torch.bfloat16)}
+    return cfg, w
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_packed_state_finishes_the_same(arch):
+    cfg, w = _small_moe(arch)
+    g = torch.Generator().manual_seed(3)
     for n in (1, 5):
         x = torch.randn(n, 32, generator=g).to(torch.bfloat16)
         s = moe.router_block(cfg, w, x)
         half = moe.experts_block(cfg, w, moe.router_block(cfg, w, x), range(4))   # a partial sum moves too
         for state in (s, half):
             fields = [state.x, state.h, state.rows, state.weights] + ([] if state.out is None else [state.out])
-            moved = moe._moved(fields, "cpu")
+            moved = packed_move(fields, "cpu")
             packed = moe.MoeState(moved[0], moved[1], moved[4] if state.out is not None else None, moved[2],
                                   moved[3], state.bounds)
             rest = range(8) if state is s else range(4, 8)

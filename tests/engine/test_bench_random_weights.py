@@ -1,0 +1,91 @@
+"""Benchmark weights (`random_model`, the GGUF writer): a MoE shape's tokens spread over the experts at every
+layer, as a trained model's do, instead of all routing to the same few (which would make prompts and
+batches touch a small part of the expert weights and flatter every system's MoE figures)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from engine.bench.gguf_shapes import GgufShape, write_gguf
+from engine.config import ModelConfig
+from engine.loading.random_init import EMBED_STD, RESIDUAL_WRITE_STD, WEIGHT_STD, random_model, random_std
+from engine.models import moe
+
+# A small qwen3_moe shape deep enough for the routing to collapse with every matrix at 0.02 (checked when
+# this test was written: by its last layer the tokens then share a handful of experts).
+CFG = ModelConfig(arch="qwen3_moe", vocab_size=1024, hidden_size=256, intermediate_size=512, num_layers=8,
+                  num_heads=4, num_kv_heads=2, head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6,
+                  max_position_embeddings=4096, tie_word_embeddings=False, qk_norm=True, dtype="bfloat16",
+                  num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128, norm_topk_prob=True)
+TOKENS = 256
+
+
+def _routing(monkeypatch, eng, ids) -> dict[int, collections.Counter]:
+    """Each MoE layer's expert counts over one forward pass of `ids`."""
+    hits: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    calls = [0]
+    route = moe.route
+
+    def counting(cfg, logits, dtype=None):
+        w, i = route(cfg, logits, dtype)
+        hits[calls[0] % cfg.num_layers].update(i.reshape(-1).tolist())
+        calls[0] += 1
+        return w, i
+
+    monkeypatch.setattr(moe, "route", counting)
+    eng.score(ids)
+    assert calls[0] == CFG.num_layers
+    return hits
+
+
+def _assert_spread(hits: dict[int, collections.Counter]) -> None:
+    mean = TOKENS * CFG.num_experts_per_tok / CFG.num_experts          # 32 pairs an expert
+    for layer, counts in hits.items():
+        assert len(counts) == CFG.num_experts, (layer, len(counts))     # every expert touched
+        # Poisson(32) rarely passes 60; a collapsed layer gives some experts every token (256)
+        assert max(counts.values()) < 2 * mean, (layer, counts.most_common(3))
+
+
+def test_standard_deviations_by_name():
+    assert random_std("embed.weight") == random_std("token_embd.weight") == EMBED_STD
+    assert random_std("model.embed_tokens.weight") == EMBED_STD
+    for name in ("layers.3.o.weight", "layers.3.down.weight", "layers.3.experts.7.down.weight",
+                 "blk.2.attn_output.weight", "blk.2.ffn_down.weight", "blk.2.ffn_down_exps.weight",
+                 "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.experts.down_proj"):
+        assert random_std(name) == RESIDUAL_WRITE_STD, name
+    for name in ("layers.3.q.weight", "layers.3.experts.7.gate.weight", "head.weight", "lm_head.weight",
+                 "blk.2.ffn_gate_exps.weight", "layers.3.router.weight", "model.layers.0.mlp.experts.gate_up_proj"):
+        assert random_std(name) == WEIGHT_STD, name
+
+
+def test_random_model_routes_tokens_over_all_experts_at_every_layer(monkeypatch):
+    from engine.backends.torch_engine import TorchEngine
+
+    eng = TorchEngine(random_model(CFG, seed=0), device="cpu", n_ctx=1024)
+    ids = np.random.default_rng(1).integers(0, CFG.vocab_size, TOKENS).tolist()
+    try:
+        _assert_spread(_routing(monkeypatch, eng, ids))
+    finally:
+        eng.close()
+
+
+@pytest.mark.slow
+def test_gguf_writer_routes_tokens_over_all_experts_at_every_layer(monkeypatch, tmp_path):
+    """The file llama.cpp runs, read by the engine (which computes what llama.cpp computes from it: the tiny
+    file's logits are compared with llama.cpp's in test_bench_llamacpp_moe)."""
+    import engine
+
+    c = CFG
+    shape = GgufShape("qwen3moe", c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
+                      c.num_kv_heads, c.head_dim, c.rope_theta, c.rms_norm_eps, 2048, experts=c.num_experts,
+                      experts_used=c.num_experts_per_tok, expert_ffn=c.moe_intermediate_size)
+    facts = write_gguf(shape, tmp_path / "moe.gguf", None, "f32")
+    eng = engine.open_model(facts["path"], device="cpu", backend="torch")
+    ids = np.random.default_rng(2).integers(0, c.vocab_size, TOKENS).tolist()
+    try:
+        _assert_spread(_routing(monkeypatch, eng, ids))
+    finally:
+        eng.close()
