@@ -384,6 +384,22 @@ def related_table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _weights_note(parts: dict[str, dict]) -> str:
+    """Which parts' MoE rows ran on the weights whose routing spreads (their meta says `weights`), and which
+    predate them."""
+    old = sorted(n for n, p in parts.items() if "weights" not in p.get("meta", {})
+                 and any(r.get("model") == "qwen3-30b-a3b" for r in p.get("rows", [])))
+    note = ("MoE weights: a wide embedding and narrow residual writes (engine.loading.random_init.random_std), the "
+            "same in the GGUF llama.cpp reads, so each layer routes the tokens over all 128 experts as a trained "
+            "model does. With every matrix at the same small scale the routing collapsed onto a few experts by the "
+            "last layers (in every system alike), which made prompts and batches touch a fraction of the expert "
+            "weights.")
+    if old:
+        note += (" Measured before that change, so flattered in prefill and batches: the qwen3-30b-a3b rows of "
+                 + ", ".join(old) + ".")
+    return note
+
+
 def merge(folders: list[Path], out: Path, dry_run: bool = False, say=print) -> int:
     parts = load_parts(folders)
     if not parts:
@@ -398,6 +414,7 @@ def merge(folders: list[Path], out: Path, dry_run: bool = False, say=print) -> i
                          f"{sc['vocab']['source']}.")
     if any(r.get("model") == "qwen3-30b-a3b" for r in rows):
         notes.append("qwen3-30b-a3b: 24 of its 48 layers (all runs alike).")
+        notes.append(_weights_note(parts))
     withheld = sorted({f"{r['model']} {r['system']}" for r in rows
                        if any(k.endswith("_tps_repeated_prompt") for k in r)})
     if withheld:

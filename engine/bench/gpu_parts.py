@@ -19,6 +19,11 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
+# How every system's random weights are drawn (engine.loading.random_init.random_std: a wide embedding and
+# narrow residual writes, so that a MoE shape's tokens spread over the experts), recorded in each part.
+WEIGHTS = "random_std"
+
+
 def run_part(name: str, args, machine: dict, command: str) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -34,6 +39,8 @@ def run_part(name: str, args, machine: dict, command: str) -> int:
                    None if internal or not args.prior else Path(args.prior), machine)
     part.meta.setdefault("commands", []).append(command)
     part.meta["dry_run"] = bool(args.dry_run)
+    if not internal:   # (parts without it predate the weights whose MoE routing spreads: see gpu_merge)
+        part.meta["weights"] = WEIGHTS
     if not internal:
         from engine.bench.gpu_common import lease_probe
 

@@ -208,3 +208,17 @@ def test_a_vl_run_cut_short_by_the_calls_end_is_left_for_a_later_call(tmp_path, 
     assert part.has(key) and len(part.rows) == 1 and part.rows[0]["ttft_s"] == 1.0
     vl_runs.run_vl(args, part, Deadline(), "cmd", [("2MiB", 2 << 20)], 0, ("slipstream",))
     assert len(limits) == 2                                                        # done: not run again
+
+
+def test_weights_note_names_the_parts_whose_moe_rows_predate_the_spreading_weights():
+    from engine.bench.gpu_merge import _weights_note
+
+    moe_row = {"model": "qwen3-30b-a3b", "system": "x"}
+    parts = {"slipstream": {"meta": {"weights": "random_std"}, "rows": [moe_row]},
+             "llamacpp": {"meta": {"weights": "random_std"}, "rows": [moe_row]},
+             "accelerate": {"meta": {}, "rows": [moe_row]},
+             "corun": {"meta": {}, "rows": [{"model": "llama3-8b"}]}}
+    note = _weights_note(parts)
+    assert note.endswith("the qwen3-30b-a3b rows of accelerate.")
+    del parts["accelerate"]
+    assert "Measured before" not in _weights_note(parts)

@@ -172,12 +172,15 @@ def test_state_moved_to_the_gpu_and_back_finishes_the_same(n):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     cfg, w = _small_moe("qwen3_moe")
+    first, second = ({k: v[a:b] if k.startswith("experts.") else v for k, v in w.items()} for a, b in ((0, 4), (4, 8)))
     x = torch.randn(n, 32, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
     want = moe.finish(moe.experts_block(cfg, w, moe.router_block(cfg, w, x), range(8)))
-    s = moe.experts_block(cfg, w, moe.router_block(cfg, w, x), range(4))
+    s = moe.experts_block(cfg, first, moe.router_block(cfg, w, x), range(4))     # (groups of 4 experts)
+    assert torch.equal(moe.finish(moe.experts_block(cfg, second, s, range(4, 8))), want)
+    s = moe.experts_block(cfg, first, moe.router_block(cfg, w, x), range(4))
     back = s.to("cuda").to("cpu")
     assert back.x.is_pinned()
-    assert torch.equal(moe.finish(moe.experts_block(cfg, w, back, range(4, 8))), want)
+    assert torch.equal(moe.finish(moe.experts_block(cfg, second, back, range(4, 8))), want)
 
 
 def _small_moe(arch):
