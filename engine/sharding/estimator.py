@@ -138,13 +138,15 @@ def cpu_bulk_gflops(prof: ProfileDatabase, dt: str, cfg, n: int) -> float | None
 
 
 # A MoE state's move between host and GPU (`moe.MoeState.to`: the parts packed into one buffer and copied;
-# pageable memory on the host side, so the host waits for the copy and for the GPU's queue before it) at an
+# until session 12 through pageable memory, so the host waited for the copy and for the GPU's queue) at an
 # effective rate: 6.3 MB took 1.15 ms a move on the H200 (5.5 GB/s; call ZZ, session 12, a 512-token step
 # of the MoE shape at 2 GiB), against 0.12 ms priced at the link's pinned rate. At this rate the estimator
 # prices call Z's measured steps of the same code (24 layers): the tier-1024 plan mixing 64 CPU groups into
 # the streamed ones 766 / 696 ms at 2 / 4 GiB (437 / 433 predicted before), which streaming every group
 # beats (557 / 525); and session 10's tier-64 and tier-256 mixed plans stay ahead of streaming, as call Q
-# measured them (288-299 and 438-458 ms against 508-521, 4 GiB).
+# measured them (288-299 and 438-458 ms against 508-521, 4 GiB). Since session 13 states cross through
+# pinned memory (`engine.models.transfer`), which should be faster; not re-measured yet, so this rate stays
+# (it can only make the planner shy of mixing CPU and streamed groups, never over-eager).
 STATE_MOVE_GBPS = 5.5
 
 
