@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 
 import numpy as np
+import torch
 import pytest
 
 from engine.bench.gguf_shapes import GgufShape, write_gguf
@@ -89,3 +90,19 @@ def test_gguf_writer_routes_tokens_over_all_experts_at_every_layer(monkeypatch, 
         _assert_spread(_routing(monkeypatch, eng, ids))
     finally:
         eng.close()
+
+
+def test_accelerate_model_draws_the_same_deviations_with_norms_at_one():
+    transformers = pytest.importorskip("transformers")
+    from engine.bench.accelerate_runs import build_model
+
+    cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      num_experts=8, num_experts_per_tok=2)
+    model = build_model(cfg)
+    for name, p in model.named_parameters():
+        x = p.detach().float()
+        if "norm" in name.rsplit(".", 2)[-2]:
+            assert torch.equal(x, torch.ones_like(x)), name
+        else:
+            assert abs(x.std().item() / random_std(name) - 1) < 0.2, (name, x.std().item())
