@@ -7,8 +7,8 @@ from __future__ import annotations
 import collections
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from engine.bench.gguf_shapes import GgufShape, write_gguf
 from engine.config import ModelConfig
