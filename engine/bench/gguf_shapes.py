@@ -1,4 +1,5 @@
-"""Random-weight GGUF files of named model shapes, for llama.cpp baselines (speed does not depend on values).
+"""Random-weight GGUF files of named model shapes, for llama.cpp baselines (speed depends on values only
+through a MoE model's routing).
 
     python -m engine.bench.gguf_shapes llama3-8b /tmp/llama3-8b.gguf [--vocab-dir DIR] [--layers N]
 

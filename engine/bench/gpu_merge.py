@@ -299,8 +299,9 @@ VL_NOTE = ("Random bf16 weights of the shape, the same in both systems; a short 
            "row: the suite does not build its vision path.")
 
 NOTES = [
-    ("Random weights of the named shapes (speed does not depend on values); Slipstream and accelerate run "
-    "bf16, llama.cpp F16 (same bytes; its most optimised 16-bit path)."),
+    ("Random weights of the named shapes (speed does not depend on values, except through a MoE model's "
+     "routing: see the MoE weights note); Slipstream and accelerate run bf16, llama.cpp F16 (same bytes; its "
+     "most optimised 16-bit path)."),
     ("VRAM: peak NVML bytes of the whole process, polled every 20-50 ms. Slipstream counts its whole process "
     "in its budget (CUDA context and workspaces measured at start), so it fits budget B when that peak is at "
     "most B. llama.cpp and accelerate fit when the peak is at most B + the allowance: the NVML bytes of the "
