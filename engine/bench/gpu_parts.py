@@ -39,9 +39,8 @@ def run_part(name: str, args, machine: dict, command: str) -> int:
                    None if internal or not args.prior else Path(args.prior), machine)
     part.meta.setdefault("commands", []).append(command)
     part.meta["dry_run"] = bool(args.dry_run)
-    if not internal:   # (parts without it predate the weights whose MoE routing spreads: see gpu_merge)
-        part.meta["weights"] = WEIGHTS
     if not internal:
+        part.meta["weights"] = WEIGHTS   # (parts without it predate the weights whose MoE routing spreads)
         from engine.bench.gpu_common import lease_probe
 
         probe = dict(lease_probe(64, 0.1, 16) if args.dry_run else lease_probe(), at=now_iso())   # dry: a taste

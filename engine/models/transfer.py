@@ -33,7 +33,7 @@ def packed_move(tensors: list[torch.Tensor], device, wait: Callable[[], None] | 
     flat = [tensors[i].reshape(-1).view(torch.uint8) for i in order]
     total = sum(f.numel() for f in flat)
     src = tensors[0].device
-    pinned = total <= MAX_PINNED_BYTES and torch.cuda.is_available()
+    pinned = total <= MAX_PINNED_BYTES       # (the branches below need CUDA on one side: it is there)
     if pinned and device.type == "cuda" and src.type == "cpu":
         staged = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         torch.cat(flat, out=staged)

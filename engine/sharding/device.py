@@ -302,10 +302,9 @@ class Accelerator:
         host's one wait for the GPU's queue and the copy not spinning."""
         if self.kind != "cuda":
             return x
-        wait = self._wait_queued
         if isinstance(x, torch.Tensor):
-            return packed_move([x], "cpu", wait)[0]
-        return x.to("cpu", wait)
+            return packed_move([x], "cpu", self.wait_queued)[0]
+        return x.to("cpu", self.wait_queued)
 
     def to_device(self, x):
         """Activations (a tensor or a MoE state) CPU -> device from a pinned staging buffer, not waited for."""
@@ -315,12 +314,13 @@ class Accelerator:
             return packed_move([x], self.device)[0]
         return x.to(self.device)
 
-    def _wait_queued(self) -> None:
+    def wait_queued(self) -> None:
+        """Wait, without spinning long, for the work queued on the compute stream so far."""
         self.wait_event_host(self.compute_event())
 
     def synchronize(self) -> None:
         if self.kind == "cuda":
-            self.wait_event_host(self.compute_event())
+            self.wait_queued()
             self._copy_stream.synchronize()
         else:
             self._pool.submit(lambda: None).result()

@@ -537,7 +537,7 @@ class Executor:
         return s
 
     def _wait_gpu(self) -> None:
-        self.accel.wait_event_host(self.accel.compute_event())
+        self.accel.wait_queued()
 
     def _head(self, w, x: torch.Tensor, at_once: int = HEAD_ROWS) -> torch.Tensor:
         """Logits in chunks of `at_once` rows (on the GPU `memory.head_rows_at_once`, what the scratch
