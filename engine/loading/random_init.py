@@ -36,10 +36,11 @@ class ByteTokenizer:
 
 
 # Standard deviations of benchmark weights (`random_std`). With every matrix at 0.02, each attention's output
-# (a projection of the values averaged over the context) outweighs the token's own embedding fiftyfold in
+# (a projection of the values averaged over the context) far outweighs the token's own embedding in
 # the residual stream: after a few layers every token carries nearly the same vector, and a MoE layer routes
 # them all to the same few experts (a 4-layer Qwen3-30B-A3B shape, 256 random tokens: 36 of 128 experts
-# touched at its last layer, two of them by every token). A trained model spreads its tokens over the
+# touched at its last layer, the busiest by 251 of the tokens; `engine.bench.moe_routing`, whose record is
+# docs/benchmarks/moe_routing/). A trained model spreads its tokens over the
 # experts; a benchmark whose routing collapsed runs a small part of the expert weights and flatters prompts
 # and batches. So the embedding is wide and the two projections that write into the residual stream
 # (attention output, FFN down, an expert's down) are narrow: each token's embedding stays dominant and the

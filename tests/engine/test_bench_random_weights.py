@@ -106,3 +106,21 @@ def test_accelerate_model_draws_the_same_deviations_with_norms_at_one():
             assert torch.equal(x, torch.ones_like(x)), name
         else:
             assert abs(x.std().item() / random_std(name) - 1) < 0.2, (name, x.std().item())
+
+
+def test_moe_routing_bench_reports_both_weightings(tmp_path):
+    """`engine.bench.moe_routing` (the record behind the benchmarks' note on MoE weights) on a small
+    configuration: both weightings, every layer, the pairs of every token counted."""
+    import json
+
+    from engine.bench import moe_routing
+
+    assert moe_routing.main(["--layers", "2", "--moe-intermediate", "16", "--vocab", "256", "--tokens", "32",
+                             "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "moe_routing.json").read_text())
+    results = report["results"]
+    assert set(results) == {"random_model, every matrix at 0.02", "random_model, random_std"}
+    for rows in results.values():
+        assert [r["layer"] for r in rows] == [0, 1]
+        assert all(r["pairs"] == 32 * 8 and 0 < r["experts_touched"] <= 128 for r in rows)
+    assert report["command"].startswith("python -m engine.bench.moe_routing")
