@@ -122,20 +122,26 @@ def _through_gguf(cfg, ids: list[int], flat: bool, top: int) -> list[dict]:
     """The shape written as the llama.cpp baseline's GGUF (F16; with `flat`, the one draw at 0.02 of before),
     read back by the engine."""
     import engine
-    from engine.bench.gguf_shapes import GgufShape, write_gguf
+    from engine.bench.gguf_shapes import write_gguf
 
-    c = cfg
-    shape = GgufShape("qwen3moe", c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
-                      c.num_kv_heads, c.head_dim, c.rope_theta, c.rms_norm_eps, 2048, experts=c.num_experts,
-                      experts_used=c.num_experts_per_tok, expert_ffn=c.moe_intermediate_size)
     with tempfile.TemporaryDirectory() as d:
         with flat_weights(flat):
-            facts = write_gguf(shape, Path(d) / "moe.gguf", None, "f16")
+            facts = write_gguf(gguf_moe_shape(cfg), Path(d) / "moe.gguf", None, "f16")
         eng = engine.open_model(facts["path"], device="cpu", backend="torch")
         try:
-            return summary(count_routing(eng, ids, c.num_layers), c.num_experts, top)
+            return summary(count_routing(eng, ids, cfg.num_layers), cfg.num_experts, top)
         finally:
             eng.close()
+
+
+def gguf_moe_shape(cfg):
+    """The GGUF writer's qwen3moe shape of a qwen3_moe `ModelConfig`."""
+    from engine.bench.gguf_shapes import GgufShape
+
+    c = cfg
+    return GgufShape("qwen3moe", c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
+                     c.num_kv_heads, c.head_dim, c.rope_theta, c.rms_norm_eps, 2048, experts=c.num_experts,
+                     experts_used=c.num_experts_per_tok, expert_ffn=c.moe_intermediate_size)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.bench.gguf_shapes import GgufShape, write_gguf
+from engine.bench.gguf_shapes import write_gguf
+from engine.bench.moe_routing import count_routing, gguf_moe_shape
 from engine.config import ModelConfig
 from engine.loading.random_init import EMBED_STD, RESIDUAL_WRITE_STD, WEIGHT_STD, random_model, random_std
-from engine.models import moe
 
 # A small qwen3_moe shape deep enough for the routing to collapse with every matrix at 0.02 (checked when
 # this test was written: by its last layer the tokens then share a handful of experts).
@@ -24,27 +24,16 @@ CFG = ModelConfig(arch="qwen3_moe", vocab_size=1024, hidden_size=256, intermedia
 TOKENS = 256
 
 
-def _routing(monkeypatch, eng, ids) -> dict[int, collections.Counter]:
-    """Each MoE layer's expert counts over one forward pass of `ids`."""
-    hits: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
-    calls = [0]
-    route = moe.route
-
-    def counting(cfg, logits, dtype=None):
-        w, i = route(cfg, logits, dtype)
-        hits[calls[0] % cfg.num_layers].update(i.reshape(-1).tolist())
-        calls[0] += 1
-        return w, i
-
-    monkeypatch.setattr(moe, "route", counting)
-    eng.score(ids)
-    assert calls[0] == CFG.num_layers
+def _routing(eng, ids) -> list[collections.Counter]:
+    """Each MoE layer's expert counts over one forward pass of `ids`; every layer routed once."""
+    hits = count_routing(eng, ids, CFG.num_layers)
+    assert [sum(c.values()) for c in hits] == [TOKENS * CFG.num_experts_per_tok] * CFG.num_layers
     return hits
 
 
-def _assert_spread(hits: dict[int, collections.Counter]) -> None:
+def _assert_spread(hits: list[collections.Counter]) -> None:
     mean = TOKENS * CFG.num_experts_per_tok / CFG.num_experts          # 32 pairs an expert
-    for layer, counts in hits.items():
+    for layer, counts in enumerate(hits):
         assert len(counts) == CFG.num_experts, (layer, len(counts))     # every expert touched
         # Poisson(32) rarely passes 60; a collapsed layer gives some experts every token (256)
         assert max(counts.values()) < 2 * mean, (layer, counts.most_common(3))
@@ -62,32 +51,28 @@ def test_standard_deviations_by_name():
         assert random_std(name) == WEIGHT_STD, name
 
 
-def test_random_model_routes_tokens_over_all_experts_at_every_layer(monkeypatch):
+def test_random_model_routes_tokens_over_all_experts_at_every_layer():
     from engine.backends.torch_engine import TorchEngine
 
     eng = TorchEngine(random_model(CFG, seed=0), device="cpu", n_ctx=1024)
     ids = np.random.default_rng(1).integers(0, CFG.vocab_size, TOKENS).tolist()
     try:
-        _assert_spread(_routing(monkeypatch, eng, ids))
+        _assert_spread(_routing(eng, ids))
     finally:
         eng.close()
 
 
 @pytest.mark.slow
-def test_gguf_writer_routes_tokens_over_all_experts_at_every_layer(monkeypatch, tmp_path):
+def test_gguf_writer_routes_tokens_over_all_experts_at_every_layer(tmp_path):
     """The file llama.cpp runs, read by the engine (which computes what llama.cpp computes from it: the tiny
     file's logits are compared with llama.cpp's in test_bench_llamacpp_moe)."""
     import engine
 
-    c = CFG
-    shape = GgufShape("qwen3moe", c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads,
-                      c.num_kv_heads, c.head_dim, c.rope_theta, c.rms_norm_eps, 2048, experts=c.num_experts,
-                      experts_used=c.num_experts_per_tok, expert_ffn=c.moe_intermediate_size)
-    facts = write_gguf(shape, tmp_path / "moe.gguf", None, "f32")
+    facts = write_gguf(gguf_moe_shape(CFG), tmp_path / "moe.gguf", None, "f32")
     eng = engine.open_model(facts["path"], device="cpu", backend="torch")
-    ids = np.random.default_rng(2).integers(0, c.vocab_size, TOKENS).tolist()
+    ids = np.random.default_rng(2).integers(0, CFG.vocab_size, TOKENS).tolist()
     try:
-        _assert_spread(_routing(monkeypatch, eng, ids))
+        _assert_spread(_routing(eng, ids))
     finally:
         eng.close()
 
