@@ -159,6 +159,14 @@ def _load():
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_float]
         lib.sl_rms_norm.restype = ctypes.c_int
+        lib.sl_moe_decode.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+        lib.sl_moe_decode.restype = ctypes.c_int
+        lib.sl_moe_route.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        lib.sl_moe_route.restype = ctypes.c_int
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
@@ -421,6 +429,104 @@ def linear_stacked(x: torch.Tensor, stacks: list[torch.Tensor], picks: list[tupl
     else:
         xs = [xp] * m if x.shape[0] == 1 else list(range(xp, xp + m * row, row))
     return _batch(dtype, xs, [bases[g] + j * steps[g] for g, j in picks], counts or [1] * m, n, k)
+
+
+MOE_MAX_K = 64             # routed experts per token in one `moe_decode` call (the C side's limit)
+
+
+class ExpertTable:
+    """The addresses of a MoE layer's expert matrices, in expert order, for `moe_decode`: built from the
+    groups' stacked weights [n, N, K] (each expert's matrix contiguous) and kept by the caller while those
+    tensors live. `gate` holds each expert's stacked gate and up [2I, H] where `up` is None."""
+
+    __slots__ = ("down", "dtype", "experts", "gate", "hidden", "inter", "up")
+
+    def __init__(self, gate: list[int], up: list[int] | None, down: list[int], hidden: int, inter: int,
+                 dtype: torch.dtype):
+        arr = ctypes.c_void_p * len(down)
+        self.gate, self.up, self.down = arr(*gate), None if up is None else arr(*up), arr(*down)
+        self.experts, self.hidden, self.inter, self.dtype = len(down), hidden, inter, dtype
+
+
+def expert_table(stacks: list[dict[str, torch.Tensor]]) -> ExpertTable | None:
+    """An `ExpertTable` over the groups' weights (`experts.gate_up.weight` or `experts.gate.weight` and
+    `experts.up.weight`, and `experts.down.weight`, each [n, N, K]), or None where a matrix is not
+    contiguous, not on the CPU or not 16-bit."""
+    names = ("experts.gate_up.weight",) if "experts.gate_up.weight" in stacks[0] else (
+        "experts.gate.weight", "experts.up.weight")
+    cols: dict[str, list[int]] = {n: [] for n in (*names, "experts.down.weight")}
+    shapes, dtype = {}, stacks[0]["experts.down.weight"].dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    for w in stacks:
+        for name, out in cols.items():
+            st = w.get(name)
+            if st is None or st.dim() != 3 or st.dtype != dtype or not st.is_cpu or st.requires_grad:
+                return None
+            n, rows, k = st.shape
+            if st.stride(2) != 1 or st.stride(1) != k or shapes.setdefault(name, (rows, k)) != (rows, k):
+                return None
+            base, step = st.data_ptr(), st.stride(0) * st.element_size()
+            out.extend(range(base, base + n * step, step) if n else ())
+    hidden, inter = shapes["experts.down.weight"]
+    fused = len(names) == 1
+    if shapes[names[0]] != ((2 * inter if fused else inter), hidden) or (
+            not fused and shapes[names[1]] != (inter, hidden)):
+        return None
+    return ExpertTable(cols[names[0]], None if fused else cols[names[1]], cols["experts.down.weight"], hidden,
+                       inter, dtype)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm_topk: bool,
+              dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One token's routing on the CPU (`route_top` in cpu_linear.c, which `moe_decode` shares, so a layer
+    run either way picks the same experts with the same weights): (weights [1, k] in `dtype`, experts [1, k]
+    int64), the k most probable experts of softmax(logits [1, E]) in descending order, ties to the lower
+    expert, renormalised where `norm_topk`. None where it does not apply."""
+    if (not _enabled or _building.is_set() or logits.dim() != 2 or logits.shape[0] != 1 or not logits.is_cpu
+            or logits.dtype not in _DTYPES or dtype not in _DTYPES or not 0 < top_k <= min(MOE_MAX_K, logits.shape[1])
+            or not logits.is_contiguous()):
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    top_i = torch.empty(1, top_k, dtype=torch.int64)
+    top_w = torch.empty(1, top_k, dtype=dtype)
+    rc = lib.sl_moe_route(_DTYPES[logits.dtype], logits.data_ptr(), logits.shape[1], top_k, int(norm_topk),
+                          _DTYPES[dtype], top_i.data_ptr(), top_w.data_ptr())
+    return (top_w, top_i) if rc == 0 else None
+
+
+def moe_decode(x: torch.Tensor, norm_w: torch.Tensor, eps: float, router: torch.Tensor, top_k: int,
+               norm_topk: bool, table: ExpertTable) -> torch.Tensor | None:
+    """One token's pass through a whole MoE layer whose router and experts are all on the CPU, in one native
+    call (`sl_moe_decode` in cpu_linear.c: norm, router, top k, the routed experts' SwiGLU, their ordered
+    weighted sum and the residual add, rounded where the tensor path rounds): x [1, H] -> [1, H]. None
+    (nothing done) where it does not apply: no kernel, another dtype, shapes that do not match."""
+    if not _enabled or _building.is_set() or x.dtype != table.dtype or x.dim() != 2 or x.shape[0] != 1:
+        return None
+    H = x.shape[1]
+    if (H != table.hidden or not x.is_cpu or not x.is_contiguous() or x.requires_grad or not 0 < top_k <= MOE_MAX_K
+            or router.dim() != 2 or router.shape != (table.experts, H) or not router.is_cpu
+            or not router.is_contiguous() or router.dtype not in (x.dtype, torch.float32)
+            or norm_w.shape != (H,) or not norm_w.is_cpu or not norm_w.is_contiguous()
+            or norm_w.dtype not in (x.dtype, torch.float32)):
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    _sync_threads(lib)
+    out = torch.empty_like(x)
+    if not _busy.acquire(blocking=False):
+        return None
+    try:
+        rc = lib.sl_moe_decode(_DTYPES[x.dtype], _DTYPES[norm_w.dtype], _DTYPES[router.dtype], x.data_ptr(),
+                               norm_w.data_ptr(), float(eps), router.data_ptr(), table.experts, top_k,
+                               int(norm_topk), table.gate, table.up, table.down, H, table.inter, out.data_ptr(),
+                               None)
+    finally:
+        _busy.release()
+    return out if rc == 0 else None
 
 
 def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero: bool = False) -> bool:

@@ -1247,6 +1247,135 @@ int sl_rms_norm(int dtype, int wdtype, const void *x, const void *w1, const void
     return 0;
 }
 
+#define MOE_MAX_K 64
+
+/* The top k of softmax(logits) (E of them, rdtype), as moe.route picks them: probabilities in float32
+ * (exp of each logit less the largest, times the reciprocal of their sum), the k largest in descending order,
+ * the lower expert first on a tie (a stable sort), renormalised to sum to 1 where norm_topk. p: E floats of
+ * scratch. The layer call and the routing of one token on the CPU both come here, so they agree to the bit. */
+static void route_top(int rdtype, const void *logits, float *p, int64_t E, int64_t k, int norm_topk,
+                      int64_t *top, float *tw) {
+    float mx = -INFINITY, total = 0.0f, kept = 0.0f;
+    for (int64_t e = 0; e < E; e++) {
+        p[e] = load_elem(rdtype, logits, e);
+        if (p[e] > mx) mx = p[e];
+    }
+    for (int64_t e = 0; e < E; e++) {
+        p[e] = expf(p[e] - mx);
+        total += p[e];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t i = 0; i < k; i++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            if (p[e] < 0.0f) continue;                    /* (taken) */
+            if (best < 0 || p[e] > p[best]) best = e;
+        }
+        top[i] = best;
+        tw[i] = p[best] * inv;
+        p[best] = -1.0f;
+        kept += tw[i];
+    }
+    if (norm_topk)
+        for (int64_t i = 0; i < k; i++) tw[i] = tw[i] / kept;
+}
+
+/* One token's routing alone (moe.route on the CPU): top_i[k] experts, top_w[k] their weights in wdtype. */
+int sl_moe_route(int rdtype, const void *logits, int64_t E, int64_t k, int norm_topk, int wdtype, int64_t *top_i,
+                 void *top_w) {
+    if (rdtype < 0 || rdtype > 2 || wdtype < 0 || wdtype > 2 || k < 1 || k > MOE_MAX_K || E < k) return -1;
+    float *p = malloc(E * sizeof(float));
+    if (!p) return -1;
+    float tw[MOE_MAX_K];
+    route_top(rdtype, logits, p, E, k, norm_topk, top_i, tw);
+    for (int64_t i = 0; i < k; i++) store_elem(wdtype, top_w, i, tw[i]);
+    free(p);
+    return 0;
+}
+
+/* ---- one token through a whole MoE layer (decode with every expert of the layer on the CPU) --------
+ * out = x + sum over the token's top-k experts e, in ascending e, of wt_e * down_e(silu(gate_e(h)) * up_e(h)),
+ * h = rms_norm(x) with norm_w, and the experts and weights from the router's logits h @ router.T
+ * (route_top). One call instead of a dozen PyTorch ops and five library calls a layer: a decode step of a
+ * Qwen3-30B-A3B shape runs 24-48 such layers.
+ * Every value is rounded where the tensor path (moe.router_block, moe._experts_decode, moe.finish) rounds
+ * it: h, the router logits (a 16-bit router; a float32 router scores in float32), each projection's output,
+ * silu, its product with up, each weighted add and the residual add, with this library's own norm,
+ * matmuls, routing and ordered sum, so the two paths agree to the bit. silu is x / (1 + expf(-x)) in
+ * float32, rounded: the same 16-bit result as PyTorch's for every 16-bit input (a test checks them all).
+ * gate[e], up[e]: expert e's [I, H] matrices, or gate[e] its [2I, H] gate and up stacked and up NULL;
+ * down[e]: its [H, I] matrix. picked (k entries, may be NULL): the experts, ascending. Returns 0, or -1
+ * (nothing written) for an unsupported dtype or size. */
+int sl_moe_decode(int dtype, int ndtype, int rdtype, const void *x, const void *norm_w, float eps,
+                  const void *router, int64_t E, int64_t k, int norm_topk, const void *const *gate,
+                  const void *const *up, const void *const *down, int64_t H, int64_t I, void *out,
+                  int64_t *picked) {
+    if ((dtype != DT_BF16 && dtype != DT_F16) || (rdtype != dtype && rdtype != DT_F32)
+        || (ndtype != dtype && ndtype != DT_F32) || k < 1 || k > MOE_MAX_K || E < k || H <= 0 || I <= 0)
+        return -1;
+    if (pool.n == 0) sl_set_threads(1, -1);
+    const size_t es = 2;
+    const int fused = up == NULL;
+    char *buf = malloc(H * es + H * 4 + E * 4 + E * 4 + (size_t)k * (2 * I + I + 2 * H) * es);
+    if (!buf) return -1;
+    void *h = buf;                                        /* [H] dtype */
+    float *h32 = (float *)((char *)h + H * es);           /* [H] h widened (a float32 router's input) */
+    void *logits = h32 + H;                               /* [E] rdtype */
+    float *p = (float *)logits + E;                       /* [E] probabilities */
+    uint16_t *gu = (uint16_t *)(p + E);                   /* [k][2I]: gate | up */
+    uint16_t *act = gu + (size_t)k * 2 * I;               /* [k][I] */
+    uint16_t *y = act + (size_t)k * I;                    /* [k][H] */
+    uint16_t *sum = y + (size_t)k * H;                    /* [H] */
+
+    sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, 1, H, 0, 0, eps);
+    linear_job rj = {rdtype, h, router, NULL, logits, 1, E, H, NULL};
+    if (rdtype == DT_F32) {
+        for (int64_t i = 0; i < H; i++) h32[i] = load_elem(dtype, h, i);
+        rj.x = h32;
+    }
+    run_jobs(&rj, 1);
+    int64_t top[MOE_MAX_K];
+    float tw[MOE_MAX_K];
+    route_top(rdtype, logits, p, E, k, norm_topk, top, tw);
+    for (int64_t i = 1; i < k; i++)                       /* ascending expert order, weights alongside */
+        for (int64_t j = i; j > 0 && top[j - 1] > top[j]; j--) {
+            int64_t t = top[j]; top[j] = top[j - 1]; top[j - 1] = t;
+            float f = tw[j]; tw[j] = tw[j - 1]; tw[j - 1] = f;
+        }
+    uint16_t wt[MOE_MAX_K];
+    for (int64_t i = 0; i < k; i++) store_elem(dtype, wt, i, tw[i]);
+
+    linear_job jobs[2 * MOE_MAX_K];
+    for (int64_t i = 0; i < k; i++) {
+        if (fused) {
+            linear_job j = {dtype, h, gate[top[i]], NULL, gu + i * 2 * I, 1, 2 * I, H, NULL};
+            jobs[i] = j;
+        } else {
+            linear_job jg = {dtype, h, gate[top[i]], NULL, gu + i * 2 * I, 1, I, H, NULL};
+            linear_job ju = {dtype, h, up[top[i]], NULL, gu + i * 2 * I + I, 1, I, H, NULL};
+            jobs[i] = jg;
+            jobs[k + i] = ju;
+        }
+    }
+    run_jobs(jobs, fused ? (int)k : (int)(2 * k));
+    for (int64_t i = 0; i < k; i++)
+        for (int64_t j = 0; j < I; j++) {
+            float g = load_elem(dtype, gu, i * 2 * I + j);
+            float s = round_to(dtype, g / (1.0f + expf(-g)));
+            store_elem(dtype, act, i * I + j, s * load_elem(dtype, gu, i * 2 * I + I + j));
+        }
+    for (int64_t i = 0; i < k; i++) {
+        linear_job j = {dtype, act + i * I, down[top[i]], NULL, y + i * H, 1, H, I, NULL};
+        jobs[i] = j;
+    }
+    run_jobs(jobs, (int)k);
+    sl_weighted_sum(dtype, sum, NULL, y, wt, k, H);
+    for (int64_t j = 0; j < H; j++) store_elem(dtype, out, j, load_elem(dtype, x, j) + load_elem(dtype, sum, j));
+    if (picked) for (int64_t i = 0; i < k; i++) picked[i] = top[i];
+    free(buf);
+    return 0;
+}
+
 /* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C (the tiles
  * of many-row bf16 matmuls: sl_amx_ready). */
 int sl_isa(void) {

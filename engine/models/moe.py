@@ -8,8 +8,8 @@ one SwiGLU over them and adds its weighted output back with `index_add_`. `finis
 experts to the residual stream. Each block runs wherever its weights and the state are, so the executor
 can place the router and every group independently; `MoeState.to` moves the state between devices.
 
-Routing follows transformers exactly: softmax over all experts in float32, top k, renormalised to sum
-to 1 where `norm_topk_prob` (always for mixtral, whose top-k-then-softmax is the same function);
+Routing follows transformers: softmax over all experts in float32, top k (on the CPU ties go to the lower
+expert: a stable sort), renormalised to sum to 1 where `norm_topk_prob` (always for mixtral, whose top-k-then-softmax is the same function);
 qwen3_moe casts the weights to the model's dtype before use, mixtral applies them in float32. A router
 stored wider than the activations (GGUF files keep it in F32) scores the experts at its own precision.
 Experts run in ascending order and their outputs are summed into a zero tensor before the residual add,
@@ -69,9 +69,22 @@ def _sum(s: MoeState) -> torch.Tensor:
 def route(cfg: ModelConfig, logits: torch.Tensor,
           dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights, top-k expert ids) [n, k] of router logits [n, E], as transformers computes them;
-    qwen3_moe's weights in `dtype` (the activations' dtype; default the logits')."""
+    qwen3_moe's weights in `dtype` (the activations' dtype; default the logits'). One token on the CPU is
+    routed natively (`kernels.moe_route`): the CPU layer call routes with the same code, so a decode layer
+    gives the same bits whichever way it runs."""
+    if logits.device.type == "cpu" and logits.shape[0] == 1 and cfg.arch != "mixtral":
+        done = kernels.moe_route(logits, cfg.num_experts_per_tok, bool(cfg.norm_topk_prob), dtype or logits.dtype)
+        if done is not None:
+            return done
     probs = torch.softmax(logits.float(), dim=-1)
-    top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if probs.device.type == "cpu":
+        # (a stable descending sort, not topk: of experts whose probabilities tie, the lower index is
+        # picked first, as the CPU layer call picks them; 16-bit router logits tie often, and topk's order
+        # among ties depends on its algorithm. A GPU keeps topk: its sort's kernels had not run on the GPU)
+        top_w, top_i = torch.sort(probs, dim=-1, descending=True, stable=True)
+        top_w, top_i = top_w[..., :cfg.num_experts_per_tok], top_i[..., :cfg.num_experts_per_tok]
+    else:
+        top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
     if cfg.norm_topk_prob or cfg.arch == "mixtral":
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
     if cfg.arch != "mixtral":
@@ -431,6 +444,40 @@ def layer_few_tokens(cfg: ModelConfig, router_w: dict[str, torch.Tensor],
     for r in range(k):
         out.addcmul_(ys[:, r], weights[:, r:r + 1])
     return x + out
+
+
+def expert_table(cfg: ModelConfig, groups: list[tuple[dict[str, torch.Tensor], range]]) -> kernels.ExpertTable | None:
+    """The addresses of a layer's expert matrices for `layer_decode_cpu` (`kernels.ExpertTable`), or None
+    where the groups do not cover the layer's experts in order or their stacks do not suit the native call.
+    Valid while the groups' tensors live (the executor keeps one per layer)."""
+    at = 0
+    for w, r in groups:
+        if r.start != at or "experts.down.weight" not in w or w["experts.down.weight"].shape[0] != len(r):
+            return None
+        at = r.stop
+    if at != cfg.num_experts or not groups:
+        return None
+    return kernels.expert_table([w for w, _ in groups])
+
+
+def layer_decode_cpu(cfg: ModelConfig, router_w: dict[str, torch.Tensor],
+                     groups: list[tuple[dict[str, torch.Tensor], range]], x: torch.Tensor,
+                     table: kernels.ExpertTable | None = None) -> torch.Tensor | None:
+    """A whole MoE layer for one token (decode) whose router and every expert group are on the CPU, as one
+    native call (`kernels.moe_decode`), with the steps and roundings of `router_block`, `experts_blocks`
+    and `finish` (softmax and silu through the C library's exp): the tensor path spends a dozen PyTorch
+    ops and five library calls a layer around the experts' matmuls. `table`: the layer's
+    `expert_table`, where the caller keeps one. Returns the residual stream after the layer, or None
+    (nothing done) where it does not apply: more than one token, mixtral's float32 routing weights, groups
+    that do not cover the experts in order, no native kernel."""
+    if x.shape[0] != 1 or x.device.type != "cpu" or cfg.arch == "mixtral":
+        return None
+    if table is None:
+        table = expert_table(cfg, groups)
+        if table is None:
+            return None
+    return kernels.moe_decode(x, router_w["ffn_norm.weight"], cfg.rms_norm_eps, router_w["router.weight"],
+                              cfg.num_experts_per_tok, bool(cfg.norm_topk_prob), table)
 
 
 def finish(s: MoeState) -> torch.Tensor:

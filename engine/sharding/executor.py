@@ -132,6 +132,9 @@ class Executor:
         # (`moe.layer_few_tokens`);
         # False (or SLIPSTREAM_MOE_LAYER_CALL=0, for A/B runs): the router and the groups one by one
         self.fused_moe = os.environ.get("SLIPSTREAM_MOE_LAYER_CALL", "1") != "0"
+        # a decode step's MoE layer all on the CPU as one native call (`moe.layer_decode_cpu`; 0: A/B runs)
+        self.cpu_moe_layer = os.environ.get("SLIPSTREAM_MOE_CPU_LAYER", "1") != "0"
+        self._cpu_tables: dict[str, tuple[list, object]] = {}   # router -> (its groups' weights, their table)
         # A GPU expert group in a step of more than moe.FEW_TOKENS tokens runs in padded runs
         # (`moe.experts_padded`); False (SLIPSTREAM_MOE_PADDED=0, for A/B runs): one expert at a time
         self.padded_moe = os.environ.get("SLIPSTREAM_MOE_PADDED", "1") != "0"
@@ -438,6 +441,8 @@ class Executor:
                 x = self._cpu_groups(name, w, x, fused)
             elif (groups := self._layer_in_vram(name, x)) is not None:
                 x = self._moe_layer_on_gpu(name, w, groups, x, fused)
+            elif (y := self._moe_layer_on_cpu(name, w, x, fused)) is not None:
+                x = y
             else:
                 x = self._moe_step(name, self.moe_steps[name], w, x)
             if streamed and self.plan.placement[name] is Placement.STREAMED:
@@ -498,6 +503,30 @@ class Executor:
                                                              for g in groups):
             return None
         return groups
+
+    def _moe_layer_on_cpu(self, name: str, w, x: torch.Tensor, fused: set[str]) -> torch.Tensor | None:
+        """Router `name`'s whole layer for one token in one native call (`moe.layer_decode_cpu`) where the
+        router and every expert group of the layer are on the CPU; adds the groups to `fused`. None: not
+        such a step (the general path runs it)."""
+        if not self.cpu_moe_layer or self.moe_steps.get(name, 0) is not None or x.shape[0] != 1 or x.is_cuda:
+            return None
+        placement = self.plan.placement
+        groups = self._later_groups_of_router[name]
+        if placement[name] is not Placement.CPU or any(placement[g] is not Placement.CPU for g in groups):
+            return None
+        parts = [(self._weights(g), self.moe_steps[g][0]) for g in groups]
+        kept = self._cpu_tables.get(name)
+        if kept is None or len(kept[0]) != len(parts) or any(a is not b for a, (b, _) in zip(kept[0], parts)):
+            kept = ([p for p, _ in parts], moe.expert_table(self.cfg, parts))   # (the host views live as long)
+            self._cpu_tables[name] = kept
+        if kept[1] is None:
+            return None
+        y = moe.layer_decode_cpu(self.cfg, w, parts, x, kept[1])
+        if y is not None:
+            fused.update(groups)
+            if self._routed_now and self.slot_content:
+                self._pump()       # (loads queued for a router: this layer streams nothing itself)
+        return y
 
     def _moe_layer_on_gpu(self, name: str, w, groups: list[str], x: torch.Tensor, fused: set[str]):
         """A MoE layer whose router and groups are all in VRAM, for a step of a few tokens, with no host

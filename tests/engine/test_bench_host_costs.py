@@ -20,4 +20,6 @@ def test_host_costs_times_every_sublayer_of_each_decode_step(tmp_path):
     assert all(row["measured_ms_each"] > 0 for row in on_gpu.values() if row["per_step"])
     assert all(row["predicted_ms_per_step"] >= 0 for row in on_gpu.values())
     assert "cpu/experts" in on_cpu or "resident/experts" in on_cpu
-    assert sum(row["per_step"] for row in on_cpu.values()) >= 1 + 3 * layers   # embed, attn, router, experts..
+    # embed, and each layer's attention and router; a layer whose router and experts are all on the CPU runs
+    # as one native call (`moe.layer_decode_cpu`), timed under its router
+    assert sum(row["per_step"] for row in on_cpu.values()) >= 1 + 2 * layers

@@ -1,0 +1,131 @@
+"""Decode of a MoE shape with and without the CPU layer call (`moe.layer_decode_cpu`), alternating in one
+engine, at each budget: tokens/s per run, and whether greedy decoding gave the same tokens both ways.
+
+    python -m engine.bench.moe_layer_ab --layers 24 --budgets 4GiB,2GiB,8GiB --out DIR   # the GPU machine
+    python -m engine.bench.moe_layer_ab --layers 2 --device sim --budgets 8GiB --out DIR  # a dry run
+
+The Qwen3-30B-A3B shape (`--shape`) at full width with `--layers` layers (random bf16 weights, `random_std`), one
+engine whose budget moves with `set_vram_budget`, as the suite runs it. Per budget: one warm-up each way,
+then `--reps` rounds of (on, off) in turn, each a fresh prompt of `--prompt` random printable bytes and
+`--tokens` sampled tokens (temperature 1, a seed per round, as the suite's decode rows); decode tokens/s
+counts from the first token to the last. Then one greedy decode each way from the same prompt, to
+compare the tokens. Alternating inside one process keeps leases' and processes' drift out of the
+comparison (session 10 measured up to 1.5x between processes of one lease on this shape). Writes a table
+and moe_layer_ab[_<tag>].json (command, machine, date).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from engine.bench.gpu_common import write_report
+from engine.bench.slipstream_runs import _empty_cache, compact_plan
+from engine.units import parse_bytes
+
+
+def open_engine(shape: str, layers: int, budget: int, device: str):
+    """A TorchEngine over random weights (`random_std`) of a named shape (or a dry-run one, `tiny-moe`),
+    `layers` of its layers (0: all), its generation buffers given back to the driver."""
+    import dataclasses
+
+    from engine.backends.torch_engine import TorchEngine
+    from engine.bench.scenarios import DRY_CONFIGS
+    from engine.bench.shapes import get_shape
+    from engine.loading.random_init import random_model
+
+    cfg = DRY_CONFIGS[shape]() if shape in DRY_CONFIGS else get_shape(shape)
+    if layers:
+        cfg = dataclasses.replace(cfg, num_layers=layers)
+    eng = TorchEngine(random_model(cfg, seed=0, name=shape), device=device, vram_budget=budget, speculative=False)
+    _empty_cache()
+    return eng
+
+
+def decode_tps(eng, prompt: str, n: int, temperature: float, seed: int) -> tuple[float, list[int]]:
+    """Tokens/s from the first new token to the last, and the tokens."""
+    stamps, tokens = [], []
+    for ev in eng.generate(prompt, max_new_tokens=n, temperature=temperature, seed=seed):
+        if ev.token_id is None:
+            continue
+        stamps.append(time.perf_counter())
+        tokens.append(ev.token_id)
+    return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0, tokens
+
+
+def run_budget(eng, budget: str, reps: int, tokens: int, prompt_len: int, rng: random.Random) -> dict:
+    eng.set_vram_budget(parse_bytes(budget))
+    ex = eng.executor
+    tier1 = next((t for t in compact_plan(eng.plan_report())["tiers"] if t.get("tokens") == 1), {})
+    row = {"budget": budget, "decode_plan": {k: tier1.get(k) for k in ("plan", "predicted_ms", "by_kind")},
+           "on_tps": [], "off_tps": []}
+
+    def prompt() -> str:
+        return "".join(chr(rng.randint(33, 126)) for _ in range(prompt_len))
+
+    for flag in (True, False):                        # warm-up, both ways
+        ex.cpu_moe_layer = flag
+        decode_tps(eng, prompt(), 8, 1.0, 0)
+    for r in range(reps):
+        for flag in ((True, False) if r % 2 == 0 else (False, True)):
+            ex.cpu_moe_layer = flag
+            tps, _ = decode_tps(eng, prompt(), tokens, 1.0, r + 1)
+            row["on_tps" if flag else "off_tps"].append(round(tps, 2))
+    same = prompt()
+    greedy = {}
+    for flag in (True, False):
+        ex.cpu_moe_layer = flag
+        greedy[flag] = decode_tps(eng, same, tokens, 0.0, 0)[1]
+    ex.cpu_moe_layer = True
+    row["on_median_tps"] = statistics.median(row["on_tps"])
+    row["off_median_tps"] = statistics.median(row["off_tps"])
+    row["speedup"] = round(row["on_median_tps"] / row["off_median_tps"], 3) if row["off_median_tps"] else None
+    row["greedy_same_tokens"] = greedy[True] == greedy[False]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.bench.moe_layer_ab", description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen3-30b-a3b", help="a MoE shape of engine.bench.shapes, or tiny-moe")
+    ap.add_argument("--layers", type=int, default=24, help="keep this many layers (0: all)")
+    ap.add_argument("--device", default="cuda", help="cuda, or sim (a dry run)")
+    ap.add_argument("--budgets", default="4GiB,2GiB,8GiB")
+    ap.add_argument("--reps", type=int, default=3, help="rounds of (on, off) per budget")
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=64, help="prompt length in random printable bytes")
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    args = ap.parse_args(argv)
+    budgets = [b for b in args.budgets.split(",") if b]
+    t0 = time.perf_counter()
+    eng = open_engine(args.shape, args.layers, parse_bytes(budgets[0]), args.device)
+    opened = time.perf_counter() - t0
+    rng = random.Random(0)
+    rows = []
+    try:
+        for b in budgets:
+            rows.append(run_budget(eng, b, args.reps, args.tokens, args.prompt, rng))
+            r = rows[-1]
+            print(f"{b}: on {r['on_tps']} off {r['off_tps']} -> {r['speedup']}x, greedy same: "
+                  f"{r['greedy_same_tokens']}", flush=True)
+    finally:
+        eng.close()
+    print("\n| budget | layer call on (t/s) | off (t/s) | on / off | greedy tokens equal | decode plan predicted ms |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['budget']} | {r['on_median_tps']:.2f} | {r['off_median_tps']:.2f} | {r['speedup']} | "
+              f"{r['greedy_same_tokens']} | {r['decode_plan'].get('predicted_ms') or 0:.1f} |")
+    name = "moe_layer_ab" + (f"_{args.tag}" if args.tag else "")
+    path = write_report(args.out, name, {"device": args.device, "shape": args.shape, "layers": args.layers, "open_seconds": round(opened, 1),
+                                         "reps": args.reps, "tokens": args.tokens, "rows": rows},
+                        "python -m engine.bench.moe_layer_ab " + " ".join(sys.argv[1:] if argv is None else argv))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
