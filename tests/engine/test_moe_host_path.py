@@ -483,12 +483,15 @@ def test_a_prompt_step_routing_many_rows_to_an_expert_runs_in_bulk_on_the_tiles(
 
 
 def _tie_layer(dtype, fused_gate_up: bool, seed: int, norm_topk: bool, router_f32: bool = False):
-    """`_moe_layer` with experts 2 and 5 scoring the same (equal router rows), so the top-k ties."""
+    """`_moe_layer` with experts 2 and 5 scoring the same (equal router rows), so the top-k ties; `router_f32`:
+    the router and the norm in float32."""
     cfg, router, groups, g = _moe_layer("qwen3_moe", dtype, fused_gate_up, seed, "cpu")
     cfg = dataclasses.replace(cfg, norm_topk_prob=norm_topk)
     r = router["router.weight"].clone()
     r[5] = r[2]
     router["router.weight"] = r.float() if router_f32 else r
+    if router_f32:                       # (as a GGUF file keeps them: router and norms in F32)
+        router["ffn_norm.weight"] = router["ffn_norm.weight"].float()
     return cfg, router, groups, g
 
 
