@@ -167,6 +167,8 @@ def _load():
         lib.sl_moe_route.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                      ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.sl_moe_route.restype = ctypes.c_int
+        lib.sl_silu_mul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        lib.sl_silu_mul.restype = ctypes.c_int
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
@@ -475,6 +477,21 @@ def expert_table(stacks: list[dict[str, torch.Tensor]]) -> ExpertTable | None:
         return None
     return ExpertTable(cols[names[0]], None if fused else cols[names[1]], cols["experts.down.weight"], hidden,
                        inter, dtype)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """`F.silu(gate) * up` for contiguous 16-bit CPU tensors of one shape and dtype, through the library's
+    `sl_silu_mul` (what `moe_decode` computes between its two projections); None where it does not apply."""
+    if (not _enabled or _building.is_set() or gate.dtype not in (torch.bfloat16, torch.float16) or up.dtype != gate.dtype
+            or gate.shape != up.shape or not gate.is_cpu or not up.is_cpu or not gate.is_contiguous()
+            or not up.is_contiguous()):
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    out = torch.empty_like(gate)
+    rc = lib.sl_silu_mul(_DTYPES[gate.dtype], gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+    return out if rc == 0 else None
 
 
 def moe_route(logits: torch.Tensor, top_k: int, norm_topk: bool,

@@ -593,3 +593,19 @@ def test_one_token_native_routing_picks_what_softmax_and_a_stable_sort_pick(dtyp
     assert ties
     assert kernels.moe_route(torch.zeros(2, 128), 8, True, torch.float32) is None       # one token only
     assert moe.route(cfg, logits, dtype)[1].equal(got_i)                               # moe.route takes it
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_native_silu_times_up_matches_pytorch_for_every_16bit_gate(dtype):
+    """The layer call's silu(gate) * up (`kernels.silu_mul`) against PyTorch's F.silu(gate) * up over every
+    finite 16-bit gate value: with up = 1 (silu's rounding alone) and with random up (the product's)."""
+    gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+    gate = gate[torch.isfinite(gate.float())].contiguous()
+    g = torch.Generator().manual_seed(5)
+    for up in (torch.ones_like(gate), (torch.randn(gate.shape, generator=g) * 3).to(dtype)):
+        got = kernels.silu_mul(gate, up)
+        want = torch.nn.functional.silu(gate) * up
+        same = got.view(torch.int16) == want.view(torch.int16)
+        both_nan = torch.isnan(got.float()) & torch.isnan(want.float())
+        assert bool((same | both_nan).all()), gate[~(same | both_nan)][:8]
