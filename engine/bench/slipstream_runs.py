@@ -188,6 +188,7 @@ def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int
                 row = {"system": "slipstream", "model": scenario.model, "budget": name, "budget_bytes": b,
                        "peak_vram_bytes": peak, "allowance_bytes": allowance,
                        "engine_peak_bytes": (report.get("in_use") or {}).get("peak"),
+                       "process_overhead": report.get("process_overhead"),   # (what the budget loses first)
                        "fits": None if peak is None else peak <= b,   # the budget is the whole process
                        **{k: m[k] for k in m if k.endswith("_tps")},
                        "decode_copied_bytes_per_token": m.get("decode_copied_bytes_per_token"),

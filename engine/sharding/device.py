@@ -237,9 +237,18 @@ class Accelerator:
             if nbytes > 0 and total > self.budget:
                 raise OutOfBudgetError(
                     f"{what or tag}: {format_bytes(nbytes)} more would exceed the VRAM budget of "
-                    f"{format_bytes(self.budget)} ({format_bytes(self.total_used)} in use)")
+                    f"{format_bytes(self.budget)} ({format_bytes(self.total_used)} in use)" + self._overhead_note())
             self.used[tag] += nbytes
             self.peak = max(self.peak, total)
+
+    def _overhead_note(self) -> str:
+        """What the process holds outside the bookings, where that is not simulated away: a budget that
+        leaves little room is often this (a CUDA context, kernels loaded since start)."""
+        if not self.overhead:
+            return ""
+        grown = self.overhead - self.start_overhead
+        return (f"; the process holds {format_bytes(self.overhead)} beside its bookings ({self.overhead_source}"
+                + (f", {format_bytes(grown)} more than at start" if grown > 0 else "") + ")")
 
     def unbook(self, nbytes: int, tag: str) -> None:
         with self._lock:
