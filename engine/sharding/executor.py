@@ -134,7 +134,7 @@ class Executor:
         self.fused_moe = os.environ.get("SLIPSTREAM_MOE_LAYER_CALL", "1") != "0"
         # a decode step's MoE layer all on the CPU as one native call (`moe.layer_decode_cpu`; 0: A/B runs)
         self.cpu_moe_layer = os.environ.get("SLIPSTREAM_MOE_CPU_LAYER", "1") != "0"
-        self._cpu_tables: dict[str, tuple[list, object]] = {}   # router -> (its groups' weights, their table)
+        self._cpu_tables: dict[str, tuple] = {}   # router -> (plan, its groups, their weights, expert table)
         # A GPU expert group in a step of more than moe.FEW_TOKENS tokens runs in padded runs
         # (`moe.experts_padded`); False (SLIPSTREAM_MOE_PADDED=0, for A/B runs): one expert at a time
         self.padded_moe = os.environ.get("SLIPSTREAM_MOE_PADDED", "1") != "0"
@@ -510,18 +510,21 @@ class Executor:
         such a step (the general path runs it)."""
         if not self.cpu_moe_layer or self.moe_steps.get(name, 0) is not None or x.shape[0] != 1 or x.is_cuda:
             return None
-        placement = self.plan.placement
-        groups = self._later_groups_of_router[name]
-        if placement[name] is not Placement.CPU or any(placement[g] is not Placement.CPU for g in groups):
-            return None
-        parts = [(self._weights(g), self.moe_steps[g][0]) for g in groups]
         kept = self._cpu_tables.get(name)
-        if kept is None or len(kept[0]) != len(parts) or any(a is not b for a, (b, _) in zip(kept[0], parts)):
-            kept = ([p for p, _ in parts], moe.expert_table(self.cfg, parts))   # (the host views live as long)
+        if kept is None or kept[0] is not self.plan:     # (worked out once per plan: a plan never changes)
+            placement = self.plan.placement
+            groups = self._later_groups_of_router[name]
+            parts = table = None
+            if placement[name] is Placement.CPU and all(placement[g] is Placement.CPU for g in groups):
+                # (a CPU group's weights are its host views, which live as long as the executor)
+                parts = [(self._weights(g), self.moe_steps[g][0]) for g in groups]
+                table = moe.expert_table(self.cfg, parts)
+            kept = (self.plan, groups, parts, table)
             self._cpu_tables[name] = kept
-        if kept[1] is None:
+        _, groups, parts, table = kept
+        if table is None:
             return None
-        y = moe.layer_decode_cpu(self.cfg, w, parts, x, kept[1])
+        y = moe.layer_decode_cpu(self.cfg, w, parts, x, table)
         if y is not None:
             fused.update(groups)
             if self._routed_now and self.slot_content:
