@@ -599,12 +599,15 @@ def test_one_token_native_routing_picks_what_softmax_and_a_stable_sort_pick(dtyp
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_native_silu_times_up_matches_pytorch_for_every_16bit_gate(dtype):
     """The layer call's silu(gate) * up (`kernels.silu_mul`) against PyTorch's F.silu(gate) * up over every
-    finite 16-bit gate value: with up = 1 (silu's rounding alone) and with random up (the product's)."""
+    finite 16-bit gate value, through its vector and its scalar path: with up = 1 (silu's rounding alone) and
+    with random up (the product's)."""
     gate = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
     gate = gate[torch.isfinite(gate.float())].contiguous()
     g = torch.Generator().manual_seed(5)
     for up in (torch.ones_like(gate), (torch.randn(gate.shape, generator=g) * 3).to(dtype)):
-        got = kernels.silu_mul(gate, up)
+        got = kernels.silu_mul(gate, up)                       # (16 values at a time: the vector path)
+        tail = torch.cat([kernels.silu_mul(gate[i:i + 15], up[i:i + 15]) for i in range(0, gate.numel(), 15)])
+        assert torch.equal(tail.view(torch.int16), got.view(torch.int16))   # (fewer than 16: the scalar path)
         want = torch.nn.functional.silu(gate) * up
         same = got.view(torch.int16) == want.view(torch.int16)
         both_nan = torch.isnan(got.float()) & torch.isnan(want.float())
