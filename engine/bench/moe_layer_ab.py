@@ -1,4 +1,4 @@
-"""Decode of a MoE shape with and without the CPU layer call (`moe.layer_decode_cpu`), alternating in one
+"""Decode of a MoE shape with and without the CPU layer call (`moe.layer_cpu`), alternating in one
 engine, at each budget: tokens/s per run, and whether greedy decoding gave the same tokens both ways.
 
     python -m engine.bench.moe_layer_ab --layers 24 --budgets 4GiB,2GiB,8GiB --out DIR   # the GPU machine

@@ -159,13 +159,13 @@ def _load():
                                     ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_float]
         lib.sl_rms_norm.restype = ctypes.c_int
-        lib.sl_moe_decode.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                                      ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                      ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-        lib.sl_moe_decode.restype = ctypes.c_int
-        lib.sl_moe_route.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+        lib.sl_moe_layer.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_int64, ctypes.c_void_p]
+        lib.sl_moe_layer.restype = ctypes.c_int
+        lib.sl_moe_route.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         lib.sl_moe_route.restype = ctypes.c_int
         lib.sl_silu_mul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         lib.sl_silu_mul.restype = ctypes.c_int
@@ -291,23 +291,24 @@ def tiles() -> bool:
     return _enabled and not _building.is_set() and _load() is not None and _amx_tiles
 
 
-def usable(x: torch.Tensor, w: torch.Tensor, min_weights: int | None = None) -> bool:
+def usable(x: torch.Tensor, w: torch.Tensor, min_weights: int | None = None, rows: int | None = None) -> bool:
     if min_weights is None:
         min_weights = MIN_WEIGHTS if w.dtype == torch.float32 else MIN_WEIGHTS_16BIT
     if _building.is_set():
         return False
     return (_enabled and x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype and x.dtype in _DTYPES
-            and w.dim() == 2 and x.shape[-1] == w.shape[1] and 0 < x.numel() // max(w.shape[1], 1) <= max_rows(w.dtype)
+            and w.dim() == 2 and x.shape[-1] == w.shape[1]
+            and 0 < x.numel() // max(w.shape[1], 1) <= (max_rows(w.dtype) if rows is None else rows)
             and w.numel() >= min_weights
             and _load() is not None)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           min_weights: int | None = None) -> torch.Tensor | None:
+           min_weights: int | None = None, rows: int | None = None) -> torch.Tensor | None:
     """`x @ w.T (+ bias)` through the native kernel, or None where it does not apply (the caller then
     uses PyTorch). x [..., K], w [N, K], bias [N]; all on the CPU, one dtype. Matrices of fewer than
-    `min_weights` elements are left to PyTorch."""
-    if not usable(x, w, min_weights) or (bias is not None and (bias.dtype != w.dtype or bias.device.type != "cpu")):
+    `min_weights` elements are left to PyTorch, and inputs of more than `rows` rows (default `max_rows`)."""
+    if not usable(x, w, min_weights, rows) or (bias is not None and (bias.dtype != w.dtype or bias.device.type != "cpu")):
         return None
     lib = _lib
     _sync_threads(lib)
@@ -433,11 +434,11 @@ def linear_stacked(x: torch.Tensor, stacks: list[torch.Tensor], picks: list[tupl
     return _batch(dtype, xs, [bases[g] + j * steps[g] for g, j in picks], counts or [1] * m, n, k)
 
 
-MOE_MAX_K = 64             # routed experts per token in one `moe_decode` call (the C side's limit)
+MOE_MAX_K = 64             # routed experts per token in one `moe_layer` call (the C side's limit)
 
 
 class ExpertTable:
-    """The addresses of a MoE layer's expert matrices, in expert order, for `moe_decode`: built from the
+    """The addresses of a MoE layer's expert matrices, in expert order, for `moe_layer`: built from the
     groups' stacked weights [n, N, K] (each expert's matrix contiguous) and kept by the caller while those
     tensors live. `gate` holds each expert's stacked gate and up [2I, H] where `up` is None."""
 
@@ -481,7 +482,7 @@ def expert_table(stacks: list[dict[str, torch.Tensor]]) -> ExpertTable | None:
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     """`F.silu(gate) * up` for contiguous 16-bit CPU tensors of one shape and dtype, through the library's
-    `sl_silu_mul` (what `moe_decode` computes between its two projections); None where it does not apply."""
+    `sl_silu_mul` (what `moe_layer` computes between its two projections); None where it does not apply."""
     if (not _enabled or _building.is_set() or gate.dtype not in (torch.bfloat16, torch.float16) or up.dtype != gate.dtype
             or gate.shape != up.shape or not gate.is_cpu or not up.is_cpu or not gate.is_contiguous()
             or not up.is_contiguous()):
@@ -494,33 +495,39 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
     return out if rc == 0 else None
 
 
+MOE_MAX_T = 16             # tokens in one `moe_layer` call (the C side's MOE_MAX_T)
+
+
 def moe_route(logits: torch.Tensor, top_k: int, norm_topk: bool,
               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One token's routing on the CPU (`route_top` in cpu_linear.c, which `moe_decode` shares, so a layer
-    run either way picks the same experts with the same weights): (weights [1, k] in `dtype`, experts [1, k]
-    int64), the k most probable experts of softmax(logits [1, E]) in descending order, ties to the lower
-    expert, renormalised where `norm_topk`. None where it does not apply."""
-    if (not _enabled or _building.is_set() or logits.dim() != 2 or logits.shape[0] != 1 or not logits.is_cpu
-            or logits.dtype not in _DTYPES or dtype not in _DTYPES or not 0 < top_k <= min(MOE_MAX_K, logits.shape[1])
-            or not logits.is_contiguous()):
+    """The routing of a step of up to MOE_MAX_T tokens on the CPU (`route_top` in cpu_linear.c, which
+    `moe_layer` shares, so a layer run either way picks the same experts with the same weights): (weights
+    [t, k] in `dtype`, experts [t, k] int64), each row's k most probable experts of softmax(logits [t, E]) in
+    descending order, ties to the lower expert, renormalised where `norm_topk`. None where it does not apply."""
+    if (not _enabled or _building.is_set() or logits.dim() != 2 or not 0 < logits.shape[0] <= MOE_MAX_T
+            or not logits.is_cpu or logits.dtype not in _DTYPES or dtype not in _DTYPES
+            or not 0 < top_k <= min(MOE_MAX_K, logits.shape[1]) or not logits.is_contiguous()):
         return None
     lib = _load()
     if lib is None:
         return None
-    top_i = torch.empty(1, top_k, dtype=torch.int64)
-    top_w = torch.empty(1, top_k, dtype=dtype)
-    rc = lib.sl_moe_route(_DTYPES[logits.dtype], logits.data_ptr(), logits.shape[1], top_k, int(norm_topk),
+    t = logits.shape[0]
+    top_i = torch.empty(t, top_k, dtype=torch.int64)
+    top_w = torch.empty(t, top_k, dtype=dtype)
+    rc = lib.sl_moe_route(_DTYPES[logits.dtype], logits.data_ptr(), t, logits.shape[1], top_k, int(norm_topk),
                           _DTYPES[dtype], top_i.data_ptr(), top_w.data_ptr())
     return (top_w, top_i) if rc == 0 else None
 
 
-def moe_decode(x: torch.Tensor, norm_w: torch.Tensor, eps: float, router: torch.Tensor, top_k: int,
-               norm_topk: bool, table: ExpertTable) -> torch.Tensor | None:
-    """One token's pass through a whole MoE layer whose router and experts are all on the CPU, in one native
-    call (`sl_moe_decode` in cpu_linear.c: norm, router, top k, the routed experts' SwiGLU, their ordered
-    weighted sum and the residual add, rounded where the tensor path rounds): x [1, H] -> [1, H]. None
-    (nothing done) where it does not apply: no kernel, another dtype, shapes that do not match."""
-    if not _enabled or _building.is_set() or x.dtype != table.dtype or x.dim() != 2 or x.shape[0] != 1:
+def moe_layer(x: torch.Tensor, norm_w: torch.Tensor, eps: float, router: torch.Tensor, top_k: int,
+              norm_topk: bool, table: ExpertTable) -> torch.Tensor | None:
+    """A step of up to MOE_MAX_T tokens through a whole MoE layer whose router and experts are all on the
+    CPU, in one native call (`sl_moe_layer` in cpu_linear.c: norm, router, top k, the routed experts'
+    SwiGLU, their weighted sum and the residual add, rounded where the tensor path rounds): x [t, H] ->
+    [t, H]. None (nothing done) where it does not apply: no kernel, another dtype, shapes that do not match,
+    the pool busy with another thread's job."""
+    if (not _enabled or _building.is_set() or x.dtype != table.dtype or x.dim() != 2
+            or not 0 < x.shape[0] <= MOE_MAX_T):
         return None
     H = x.shape[1]
     if (H != table.hidden or not x.is_cpu or not x.is_contiguous() or x.requires_grad or not 0 < top_k <= MOE_MAX_K
@@ -537,10 +544,9 @@ def moe_decode(x: torch.Tensor, norm_w: torch.Tensor, eps: float, router: torch.
     if not _busy.acquire(blocking=False):
         return None
     try:
-        rc = lib.sl_moe_decode(_DTYPES[x.dtype], _DTYPES[norm_w.dtype], _DTYPES[router.dtype], x.data_ptr(),
-                               norm_w.data_ptr(), float(eps), router.data_ptr(), table.experts, top_k,
-                               int(norm_topk), table.gate, table.up, table.down, H, table.inter, out.data_ptr(),
-                               None)
+        rc = lib.sl_moe_layer(_DTYPES[x.dtype], _DTYPES[norm_w.dtype], _DTYPES[router.dtype], x.data_ptr(),
+                              x.shape[0], norm_w.data_ptr(), float(eps), router.data_ptr(), table.experts, top_k,
+                              int(norm_topk), table.gate, table.up, table.down, H, table.inter, out.data_ptr())
     finally:
         _busy.release()
     return out if rc == 0 else None

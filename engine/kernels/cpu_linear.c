@@ -1280,15 +1280,20 @@ static void route_top(int rdtype, const void *logits, float *p, int64_t E, int64
         for (int64_t i = 0; i < k; i++) tw[i] = tw[i] / kept;
 }
 
-/* One token's routing alone (moe.route on the CPU): top_i[k] experts, top_w[k] their weights in wdtype. */
-int sl_moe_route(int rdtype, const void *logits, int64_t E, int64_t k, int norm_topk, int wdtype, int64_t *top_i,
-                 void *top_w) {
-    if (rdtype < 0 || rdtype > 2 || wdtype < 0 || wdtype > 2 || k < 1 || k > MOE_MAX_K || E < k) return -1;
+/* The routing of `rows` tokens (moe.route on the CPU, a step of a few tokens): logits [rows][E] (rdtype),
+ * top_i [rows][k] experts, top_w [rows][k] their weights in wdtype. */
+int sl_moe_route(int rdtype, const void *logits, int64_t rows, int64_t E, int64_t k, int norm_topk, int wdtype,
+                 int64_t *top_i, void *top_w) {
+    if (rdtype < 0 || rdtype > 2 || wdtype < 0 || wdtype > 2 || k < 1 || k > MOE_MAX_K || E < k || rows < 0)
+        return -1;
     float *p = malloc(E * sizeof(float));
     if (!p) return -1;
+    size_t les = rdtype == DT_F32 ? 4 : 2, wes = wdtype == DT_F32 ? 4 : 2;
     float tw[MOE_MAX_K];
-    route_top(rdtype, logits, p, E, k, norm_topk, top_i, tw);
-    for (int64_t i = 0; i < k; i++) store_elem(wdtype, top_w, i, tw[i]);
+    for (int64_t r = 0; r < rows; r++) {
+        route_top(rdtype, (const char *)logits + (size_t)r * E * les, p, E, k, norm_topk, top_i + r * k, tw);
+        for (int64_t i = 0; i < k; i++) store_elem(wdtype, (char *)top_w + (size_t)r * k * wes, i, tw[i]);
+    }
     free(p);
     return 0;
 }
@@ -1342,79 +1347,117 @@ int sl_silu_mul(int dtype, const void *gate, const void *up, void *out, int64_t 
     return 0;
 }
 
-/* ---- one token through a whole MoE layer (decode with every expert of the layer on the CPU) --------
- * out = x + sum over the token's top-k experts e, in ascending e, of wt_e * down_e(silu(gate_e(h)) * up_e(h)),
- * h = rms_norm(x) with norm_w, and the experts and weights from the router's logits h @ router.T
- * (route_top). One call instead of a dozen PyTorch ops and five library calls a layer: a decode step of a
+/* ---- a step of a few tokens through a whole MoE layer (every expert of the layer on the CPU) --------
+ * out[r] = x[r] + the token's routed experts' weighted outputs, for t tokens (1 to MOE_MAX_T): h =
+ * rms_norm(x) with norm_w, the router's logits h @ router.T (a 16-bit router; a float32 one scores in
+ * float32), each token's top k (route_top), the routed experts' SwiGLU, their weighted sum and the residual
+ * add. One call instead of a dozen PyTorch ops and five library calls a layer: a decode step of a
  * Qwen3-30B-A3B shape runs 24-48 such layers.
- * Every value is rounded where the tensor path (moe.router_block, moe._experts_decode, moe.finish) rounds
- * it: h, the router logits (a 16-bit router; a float32 router scores in float32), each projection's output,
- * silu, its product with up, each weighted add and the residual add, with this library's own norm,
- * matmuls, routing and ordered sum, so the two paths agree to the bit (silu: sl_silu_mul).
+ * Every value is rounded where the tensor path rounds it, with this library's own norm, matmuls, routing,
+ * silu (sl_silu_mul) and sums, so the two agree to the bit:
+ * - one token (moe.router_block, moe._experts_decode, moe.finish): the experts in ascending order, each
+ *   weighted output added to the sum in one multiply-add rounded to the dtype (sl_weighted_sum);
+ * - several (moe._experts_batch): the (token, expert) pairs sorted by expert then token, each expert one
+ *   matmul job over its tokens' rows, each pair's output times its weight rounded, then added to its token's
+ *   sum in that order, each add rounded (sl_scatter_add).
  * gate[e], up[e]: expert e's [I, H] matrices, or gate[e] its [2I, H] gate and up stacked and up NULL;
- * down[e]: its [H, I] matrix. picked (k entries, may be NULL): the experts, ascending. Returns 0, or -1
- * (nothing written) for an unsupported dtype or size. */
-int sl_moe_decode(int dtype, int ndtype, int rdtype, const void *x, const void *norm_w, float eps,
-                  const void *router, int64_t E, int64_t k, int norm_topk, const void *const *gate,
-                  const void *const *up, const void *const *down, int64_t H, int64_t I, void *out,
-                  int64_t *picked) {
+ * down[e]: its [H, I] matrix. Returns 0, or -1 (nothing written) for an unsupported dtype or size. */
+#define MOE_MAX_T 16
+int sl_moe_layer(int dtype, int ndtype, int rdtype, const void *x, int64_t t, const void *norm_w, float eps,
+                 const void *router, int64_t E, int64_t k, int norm_topk, const void *const *gate,
+                 const void *const *up, const void *const *down, int64_t H, int64_t I, void *out) {
     if ((dtype != DT_BF16 && dtype != DT_F16) || (rdtype != dtype && rdtype != DT_F32)
-        || (ndtype != dtype && ndtype != DT_F32) || k < 1 || k > MOE_MAX_K || E < k || H <= 0 || I <= 0)
+        || (ndtype != dtype && ndtype != DT_F32) || k < 1 || k > MOE_MAX_K || E < k || H <= 0 || I <= 0
+        || t < 1 || t > MOE_MAX_T)
         return -1;
     if (pool.n == 0) sl_set_threads(1, -1);
     const size_t es = 2;
     const int fused = up == NULL;
-    char *buf = malloc(H * es + H * 4 + E * 4 + E * 4 + (size_t)k * (2 * I + I + 2 * H) * es);
+    const int64_t m = t * k;                              /* (token, expert) pairs */
+    size_t bytes = (size_t)t * H * es + (size_t)t * H * 4 + (size_t)t * E * 4 + (size_t)E * 4
+                   + (size_t)m * (H + 2 * I + I + 2 * H) * es + (size_t)t * H * es;
+    char *buf = malloc(bytes);
     if (!buf) return -1;
-    void *h = buf;                                        /* [H] dtype */
-    float *h32 = (float *)((char *)h + H * es);           /* [H] h widened (a float32 router's input) */
-    void *logits = h32 + H;                               /* [E] rdtype */
-    float *p = (float *)logits + E;                       /* [E] probabilities */
-    uint16_t *gu = (uint16_t *)(p + E);                   /* [k][2I]: gate | up */
-    uint16_t *act = gu + (size_t)k * 2 * I;               /* [k][I] */
-    uint16_t *y = act + (size_t)k * I;                    /* [k][H] */
-    uint16_t *sum = y + (size_t)k * H;                    /* [H] */
+    void *h = buf;                                        /* [t][H] dtype */
+    float *h32 = (float *)((char *)h + (size_t)t * H * es);   /* [t][H] h widened (a float32 router's input) */
+    void *logits = h32 + (size_t)t * H;                   /* [t][E] rdtype */
+    float *p = (float *)logits + (size_t)t * E;           /* [E] probabilities */
+    uint16_t *hx = (uint16_t *)(p + E);                   /* [m][H] each pair's row of h */
+    uint16_t *gu = hx + (size_t)m * H;                    /* [m][2I]: gate | up (fused), or gate [m][I], up [m][I] */
+    uint16_t *act = gu + (size_t)m * 2 * I;               /* [m][I] */
+    uint16_t *y = act + (size_t)m * I;                    /* [m][H] */
+    uint16_t *yw = y + (size_t)m * H;                     /* [m][H] weighted (several tokens) */
+    uint16_t *sum = yw + (size_t)m * H;                   /* [t][H] */
 
-    sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, 1, H, 0, 0, eps);
-    linear_job rj = {rdtype, h, router, NULL, logits, 1, E, H, NULL};
+    sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, t, H, 0, 0, eps);
+    linear_job rj = {rdtype, h, router, NULL, logits, t, E, H, NULL};
     if (rdtype == DT_F32) {
-        for (int64_t i = 0; i < H; i++) h32[i] = load_elem(dtype, h, i);
+        for (int64_t i = 0; i < t * H; i++) h32[i] = load_elem(dtype, h, i);
         rj.x = h32;
     }
     run_jobs(&rj, 1);
-    int64_t top[MOE_MAX_K];
-    float tw[MOE_MAX_K];
-    route_top(rdtype, logits, p, E, k, norm_topk, top, tw);
-    for (int64_t i = 1; i < k; i++)                       /* ascending expert order, weights alongside */
-        for (int64_t j = i; j > 0 && top[j - 1] > top[j]; j--) {
-            int64_t t = top[j]; top[j] = top[j - 1]; top[j - 1] = t;
-            float f = tw[j]; tw[j] = tw[j - 1]; tw[j - 1] = f;
+    int64_t top[MOE_MAX_T * MOE_MAX_K];
+    float tw[MOE_MAX_T * MOE_MAX_K];
+    const size_t les = rdtype == DT_F32 ? 4 : 2;
+    for (int64_t r = 0; r < t; r++)
+        route_top(rdtype, (const char *)logits + (size_t)r * E * les, p, E, k, norm_topk, top + r * k, tw + r * k);
+    /* the pairs sorted by expert, then token: expert, token and weight (rounded to the dtype) of each */
+    int64_t pe[MOE_MAX_T * MOE_MAX_K], pt[MOE_MAX_T * MOE_MAX_K];
+    uint16_t wt[MOE_MAX_T * MOE_MAX_K];
+    int64_t n = 0;
+    for (int64_t i = 0; i < m; i++) {                     /* insertion by (expert, token): m <= 1024 */
+        int64_t e = top[i], tok = i / k, j = n++;
+        while (j > 0 && (pe[j - 1] > e || (pe[j - 1] == e && pt[j - 1] > tok))) {
+            pe[j] = pe[j - 1]; pt[j] = pt[j - 1]; wt[j] = wt[j - 1]; j--;
         }
-    uint16_t wt[MOE_MAX_K];
-    for (int64_t i = 0; i < k; i++) store_elem(dtype, wt, i, tw[i]);
-
-    linear_job jobs[2 * MOE_MAX_K];
-    for (int64_t i = 0; i < k; i++) {
+        pe[j] = e; pt[j] = tok;
+        store_elem(dtype, wt, j, tw[i]);
+    }
+    /* one matmul job per routed expert over its pairs' rows (one token: the rows are h itself) */
+    for (int64_t i = 0; i < m; i++) memcpy(hx + i * H, (const uint16_t *)h + pt[i] * H, H * es);
+    linear_job *jobs = malloc(2 * (size_t)m * sizeof(linear_job));
+    if (!jobs) { free(buf); return -1; }
+    int64_t starts[MOE_MAX_T * MOE_MAX_K + 1], experts[MOE_MAX_T * MOE_MAX_K], nx = 0;
+    for (int64_t i = 0; i < m; i++)
+        if (!i || pe[i] != pe[i - 1]) { starts[nx] = i; experts[nx++] = pe[i]; }
+    starts[nx] = m;
+    for (int64_t q = 0; q < nx; q++) {
+        int64_t a = starts[q], c = starts[q + 1] - a, e = experts[q];
         if (fused) {
-            linear_job j = {dtype, h, gate[top[i]], NULL, gu + i * 2 * I, 1, 2 * I, H, NULL};
-            jobs[i] = j;
+            linear_job j = {dtype, hx + a * H, gate[e], NULL, gu + a * 2 * I, c, 2 * I, H, NULL};
+            jobs[q] = j;
         } else {
-            linear_job jg = {dtype, h, gate[top[i]], NULL, gu + i * 2 * I, 1, I, H, NULL};
-            linear_job ju = {dtype, h, up[top[i]], NULL, gu + i * 2 * I + I, 1, I, H, NULL};
-            jobs[i] = jg;
-            jobs[k + i] = ju;
+            linear_job jg = {dtype, hx + a * H, gate[e], NULL, gu + a * I, c, I, H, NULL};
+            linear_job ju = {dtype, hx + a * H, up[e], NULL, gu + (m + a) * I, c, I, H, NULL};
+            jobs[q] = jg;
+            jobs[nx + q] = ju;
         }
     }
-    run_jobs(jobs, fused ? (int)k : (int)(2 * k));
-    for (int64_t i = 0; i < k; i++) sl_silu_mul(dtype, gu + i * 2 * I, gu + i * 2 * I + I, act + i * I, I);
-    for (int64_t i = 0; i < k; i++) {
-        linear_job j = {dtype, act + i * I, down[top[i]], NULL, y + i * H, 1, H, I, NULL};
-        jobs[i] = j;
+    run_jobs(jobs, fused ? (int)nx : (int)(2 * nx));
+    if (fused)
+        for (int64_t i = 0; i < m; i++) sl_silu_mul(dtype, gu + i * 2 * I, gu + i * 2 * I + I, act + i * I, I);
+    else
+        sl_silu_mul(dtype, gu, gu + m * I, act, m * I);
+    for (int64_t q = 0; q < nx; q++) {
+        int64_t a = starts[q], c = starts[q + 1] - a;
+        linear_job j = {dtype, act + a * I, down[experts[q]], NULL, y + a * H, c, H, I, NULL};
+        jobs[q] = j;
     }
-    run_jobs(jobs, (int)k);
-    sl_weighted_sum(dtype, sum, NULL, y, wt, k, H);
-    for (int64_t j = 0; j < H; j++) store_elem(dtype, out, j, load_elem(dtype, x, j) + load_elem(dtype, sum, j));
-    if (picked) for (int64_t i = 0; i < k; i++) picked[i] = top[i];
+    run_jobs(jobs, (int)nx);
+    if (t == 1) {
+        sl_weighted_sum(dtype, sum, NULL, y, wt, k, H);
+    } else {
+        for (int64_t i = 0; i < m; i++) {
+            float w = load_elem(dtype, wt, i);
+            for (int64_t j = 0; j < H; j++)
+                store_elem(dtype, yw, i * H + j, load_elem(dtype, y, i * H + j) * w);
+        }
+        memset(sum, 0, (size_t)t * H * es);               /* (+0.0 in bf16 and fp16) */
+        sl_scatter_add(dtype, sum, yw, pt, m, H, 0);
+    }
+    for (int64_t j = 0; j < t * H; j++)
+        store_elem(dtype, out, j, load_elem(dtype, x, j) + load_elem(dtype, sum, j));
+    free(jobs);
     free(buf);
     return 0;
 }

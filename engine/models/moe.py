@@ -69,10 +69,10 @@ def _sum(s: MoeState) -> torch.Tensor:
 def route(cfg: ModelConfig, logits: torch.Tensor,
           dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(top-k weights, top-k expert ids) [n, k] of router logits [n, E], as transformers computes them;
-    qwen3_moe's weights in `dtype` (the activations' dtype; default the logits'). One token on the CPU is
-    routed natively (`kernels.moe_route`): the CPU layer call routes with the same code, so a decode layer
-    gives the same bits whichever way it runs."""
-    if logits.device.type == "cpu" and logits.shape[0] == 1 and cfg.arch != "mixtral":
+    qwen3_moe's weights in `dtype` (the activations' dtype; default the logits'). A step of up to
+    `kernels.MOE_MAX_T` tokens on the CPU is routed natively (`kernels.moe_route`): the CPU layer call
+    routes with the same code, so a layer gives the same bits whichever way it runs."""
+    if logits.device.type == "cpu" and logits.shape[0] <= kernels.MOE_MAX_T and cfg.arch != "mixtral":
         done = kernels.moe_route(logits, cfg.num_experts_per_tok, bool(cfg.norm_topk_prob), dtype or logits.dtype)
         if done is not None:
             return done
@@ -98,10 +98,7 @@ def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, 
     counts are read back to the host (a non-spinning wait for the GPU). `host`: return the state on the
     CPU (the next expert group runs there), the counts read back in the same copy as the state."""
     h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
-    router = w["router.weight"]
-    # (on the CPU a 16-bit router, e.g. 128 x 2048, takes the native matmul: PyTorch's one-row 16-bit
-    # matmul took 0.3-0.5 ms for it in a decode step, session 7; see kernels.MIN_WEIGHTS_16BIT)
-    top_w, top_i = route(cfg, linear(h.to(router.dtype), router), h.dtype)
+    top_w, top_i = route(cfg, router_logits(w["router.weight"], h), h.dtype)
     if host and x.device.type != "cpu":
         # The state goes to the host anyway: the top k come with it in one copy and are sorted there. On a
         # GPU the sort and the count are a dozen launches, one of them (bincount) a sync of its own, for a
@@ -111,6 +108,19 @@ def router_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, 
     if sync is not None and x.device.type != "cpu":
         sync()
     return MoeState(x, h, None, rows, weights, [0, *(ends if isinstance(ends, list) else ends.tolist())])
+
+
+def router_logits(router: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """The router's scores of `h`, at the router's precision. A step of up to `kernels.MOE_MAX_T` tokens on
+    the CPU takes the native matmul whatever the router's size, as the CPU layer call (`layer_cpu`) scores
+    them, so the two agree to the bit (and PyTorch's one-row 16-bit matmul took 0.3-0.5 ms for a 128 x 2048
+    router in a decode step, session 7)."""
+    hr = h.to(router.dtype)
+    if h.device.type == "cpu" and h.shape[0] <= kernels.MOE_MAX_T:
+        y = kernels.linear(hr, router, min_weights=0, rows=kernels.MOE_MAX_T)
+        if y is not None:
+            return y
+    return linear(hr, router)
 
 
 def _sorted_pairs(cfg: ModelConfig, top_w: torch.Tensor, top_i: torch.Tensor):
@@ -419,7 +429,7 @@ def layer_few_tokens(cfg: ModelConfig, router_w: dict[str, torch.Tensor],
     experts, each with its own launches, on the general path."""
     h = rms_norm(x, router_w["ffn_norm.weight"], cfg.rms_norm_eps)
     router = router_w["router.weight"]
-    top_w, top_i = route(cfg, linear(h.to(router.dtype), router), h.dtype)
+    top_w, top_i = route(cfg, router_logits(router, h), h.dtype)
     ids, order = torch.sort(top_i, dim=1)                  # each token's k routed experts, ascending
     weights = top_w.gather(1, order)
     t, k = ids.shape
@@ -447,7 +457,7 @@ def layer_few_tokens(cfg: ModelConfig, router_w: dict[str, torch.Tensor],
 
 
 def expert_table(cfg: ModelConfig, groups: list[tuple[dict[str, torch.Tensor], range]]) -> kernels.ExpertTable | None:
-    """The addresses of a layer's expert matrices for `layer_decode_cpu` (`kernels.ExpertTable`), or None
+    """The addresses of a layer's expert matrices for `layer_cpu` (`kernels.ExpertTable`), or None
     where the groups do not cover the layer's experts in order or their stacks do not suit the native call.
     Valid while the groups' tensors live (the executor keeps one per layer)."""
     at = 0
@@ -460,27 +470,27 @@ def expert_table(cfg: ModelConfig, groups: list[tuple[dict[str, torch.Tensor], r
     return kernels.expert_table([w for w, _ in groups])
 
 
-def layer_decode_cpu(cfg: ModelConfig, router_w: dict[str, torch.Tensor],
-                     groups: list[tuple[dict[str, torch.Tensor], range]], x: torch.Tensor,
-                     table: kernels.ExpertTable | None = None) -> torch.Tensor | None:
-    """A whole MoE layer for one token (decode) whose router and every expert group are on the CPU, as one
-    native call (`kernels.moe_decode`), with the steps and roundings of `router_block`, `experts_blocks`
-    and `finish` and the same bits (one token's routing on the CPU is the same C function either way): the
-    tensor path spends a dozen PyTorch ops and five library calls a layer around the experts' matmuls. On
-    the H200 host the layer call decoded the Qwen3-30B-A3B shape (24 layers) 1.29-1.46x faster than the
-    tensor path at 2-8 GiB, alternating in one engine (session 14, `engine.bench.moe_layer_ab`; the tensor
-    path's routing was PyTorch's then). `table`: the layer's
-    `expert_table`, where the caller keeps one. Returns the residual stream after the layer, or None
-    (nothing done) where it does not apply: more than one token, mixtral's float32 routing weights, groups
-    that do not cover the experts in order, no native kernel."""
-    if x.shape[0] != 1 or x.device.type != "cpu" or cfg.arch == "mixtral":
+def layer_cpu(cfg: ModelConfig, router_w: dict[str, torch.Tensor],
+              groups: list[tuple[dict[str, torch.Tensor], range]], x: torch.Tensor,
+              table: kernels.ExpertTable | None = None) -> torch.Tensor | None:
+    """A whole MoE layer for a step of up to `kernels.MOE_MAX_T` tokens (decode, a batch of streams) whose
+    router and every expert group are on the CPU, as one native call (`kernels.moe_layer`), with the steps
+    and roundings of `router_block`, `experts_blocks` and `finish` and the same bits (the router's matmul and
+    the routing on the CPU are the same C functions either way): the tensor path spends a dozen PyTorch ops
+    and five library calls a layer around the experts' matmuls. On the H200 host the one-token call decoded
+    the Qwen3-30B-A3B shape (24 layers) 1.29-1.46x faster than the tensor path at 2-8 GiB, alternating in
+    one engine (session 14, `engine.bench.moe_layer_ab`; the tensor path's routing was PyTorch's then).
+    `table`: the layer's `expert_table`, where the caller keeps one. Returns the residual stream after the
+    layer, or None (nothing done) where it does not apply: more tokens, mixtral's float32 routing weights,
+    groups that do not cover the experts in order, no native kernel."""
+    if not 0 < x.shape[0] <= kernels.MOE_MAX_T or x.device.type != "cpu" or cfg.arch == "mixtral":
         return None
     if table is None:
         table = expert_table(cfg, groups)
         if table is None:
             return None
-    return kernels.moe_decode(x, router_w["ffn_norm.weight"], cfg.rms_norm_eps, router_w["router.weight"],
-                              cfg.num_experts_per_tok, bool(cfg.norm_topk_prob), table)
+    return kernels.moe_layer(x.contiguous(), router_w["ffn_norm.weight"], cfg.rms_norm_eps, router_w["router.weight"],
+                             cfg.num_experts_per_tok, bool(cfg.norm_topk_prob), table)
 
 
 def finish(s: MoeState) -> torch.Tensor:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.config import ModelConfig, weight_names
 from engine.models import dense, moe
 from engine.models.rope import RotaryTable
@@ -132,7 +133,7 @@ class Executor:
         # (`moe.layer_few_tokens`);
         # False (or SLIPSTREAM_MOE_LAYER_CALL=0, for A/B runs): the router and the groups one by one
         self.fused_moe = os.environ.get("SLIPSTREAM_MOE_LAYER_CALL", "1") != "0"
-        # a decode step's MoE layer all on the CPU as one native call (`moe.layer_decode_cpu`; 0: A/B runs)
+        # a step's MoE layer all on the CPU as one native call, up to 16 tokens (`moe.layer_cpu`; 0: A/B runs)
         self.cpu_moe_layer = os.environ.get("SLIPSTREAM_MOE_CPU_LAYER", "1") != "0"
         self._cpu_tables: dict[str, tuple] = {}   # router -> (plan, its groups, their weights, expert table)
         # A GPU expert group in a step of more than moe.FEW_TOKENS tokens runs in padded runs
@@ -505,10 +506,11 @@ class Executor:
         return groups
 
     def _moe_layer_on_cpu(self, name: str, w, x: torch.Tensor, fused: set[str]) -> torch.Tensor | None:
-        """Router `name`'s whole layer for one token in one native call (`moe.layer_decode_cpu`) where the
-        router and every expert group of the layer are on the CPU; adds the groups to `fused`. None: not
-        such a step (the general path runs it)."""
-        if not self.cpu_moe_layer or self.moe_steps.get(name, 0) is not None or x.shape[0] != 1 or x.is_cuda:
+        """Router `name`'s whole layer for a step of up to `kernels.MOE_MAX_T` tokens in one native call
+        (`moe.layer_cpu`) where the router and every expert group of the layer are on the CPU; adds the
+        groups to `fused`. None: not such a step (the general path runs it)."""
+        if (not self.cpu_moe_layer or self.moe_steps.get(name, 0) is not None or x.shape[0] > kernels.MOE_MAX_T
+                or x.is_cuda):
             return None
         kept = self._cpu_tables.get(name)
         if kept is None or kept[0] is not self.plan:     # (worked out once per plan: a plan never changes)
@@ -524,7 +526,7 @@ class Executor:
         _, groups, parts, table = kept
         if table is None:
             return None
-        y = moe.layer_decode_cpu(self.cfg, w, parts, x, table)
+        y = moe.layer_cpu(self.cfg, w, parts, x, table)
         if y is not None:
             fused.update(groups)
             if self._routed_now and self.slot_content:

@@ -21,5 +21,5 @@ def test_host_costs_times_every_sublayer_of_each_decode_step(tmp_path):
     assert all(row["predicted_ms_per_step"] >= 0 for row in on_gpu.values())
     assert "cpu/experts" in on_cpu or "resident/experts" in on_cpu
     # embed, and each layer's attention and router; a layer whose router and experts are all on the CPU runs
-    # as one native call (`moe.layer_decode_cpu`), timed under its router
+    # as one native call (`moe.layer_cpu`), timed under its router
     assert sum(row["per_step"] for row in on_cpu.values()) >= 1 + 2 * layers

@@ -11,8 +11,8 @@ from engine.bench import moe_layer_ab
 
 def test_layer_call_ab_writes_a_row_per_budget_and_compares_greedy_tokens(tmp_path, monkeypatch):
     calls = []
-    real = kernels.moe_decode
-    monkeypatch.setattr(kernels, "moe_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = kernels.moe_layer
+    monkeypatch.setattr(kernels, "moe_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     assert moe_layer_ab.main(["--shape", "tiny-moe", "--layers", "0", "--device", "sim", "--budgets", "1GiB,64MiB",
                               "--reps", "2", "--tokens", "5", "--prompt", "12", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "moe_layer_ab.json").read_text())

@@ -7,7 +7,7 @@
 - a decode step through `_experts_decode` gives the logits of the `linear_many` path (the one before it)
   to the bit on the CPU: qwen3_moe in float32 (summed by PyTorch) and bf16 (summed natively), mixtral in
   bf16 (float32 routing weights: summed by PyTorch);
-- the CPU layer call (`moe.layer_decode_cpu`: a decode step's MoE layer in one native call) equals the
+- the CPU layer call (`moe.layer_cpu`: a step's MoE layer in one native call, up to 16 tokens) equals the
   router, the expert groups and the residual add of the tensor path to the bit, ties between experts
   included, and a decode through it gives the same logits as one without it;
 - the packed state transfer (`transfer.packed_move`) gives back each tensor's dtype, shape and values, and a
@@ -499,24 +499,28 @@ def _tie_layer(dtype, fused_gate_up: bool, seed: int, norm_topk: bool, router_f3
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fused_gate_up", [True, False])
 @pytest.mark.parametrize("norm_topk,router_f32", [(True, False), (False, False), (True, True)])
-def test_cpu_layer_call_matches_the_tensor_path_to_the_bit(dtype, fused_gate_up, norm_topk, router_f32,
+@pytest.mark.parametrize("tokens", [1, 3, 16])
+def test_cpu_layer_call_matches_the_tensor_path_to_the_bit(dtype, fused_gate_up, norm_topk, router_f32, tokens,
                                                            monkeypatch):
-    """One token through `layer_decode_cpu` (norm, router, top k, the routed experts, their ordered sum and
-    the residual add in one native call) gives the bits of `router_block`, `experts_blocks` and `finish`
-    with the same native matmuls (thresholds at zero, so the tensor path takes them too), over tokens
-    whose top k includes tied experts."""
+    """A step of 1, 3 or 16 tokens through `layer_cpu` (norm, router, top k, the routed experts, their
+    weighted sum and the residual add in one native call) gives the bits of `router_block`,
+    `experts_blocks` and `finish` (one token: the ordered multiply-adds; more: each pair's weighted output
+    rounded, then added in expert order) with the same native matmuls (thresholds at zero, so the tensor
+    path takes them too), over tokens whose top k includes tied experts."""
     monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)
     monkeypatch.setattr(kernels, "MIN_WEIGHTS_16BIT", 0)
     ties = 0
     for seed in range(12):
         cfg, router, groups, g = _tie_layer(dtype, fused_gate_up, seed, norm_topk, router_f32)
-        for _ in range(8):
-            x = torch.randn(1, 32, generator=g).to(dtype)
+        for _ in range(8 if tokens == 1 else 3):
+            x = torch.randn(tokens, 32, generator=g).to(dtype)
             s = moe.router_block(cfg, router, x)
-            picked = [e for e in range(cfg.num_experts) if s.bounds[e + 1] > s.bounds[e]]
-            ties += 2 in picked and 5 not in picked
+            for row in range(tokens):
+                picked = [int(e) for e in s.rows.new_tensor(range(cfg.num_experts))
+                          if any(int(r) == row for r in s.rows[s.bounds[e]:s.bounds[e + 1]])]
+                ties += 2 in picked and 5 not in picked
             want = moe.finish(moe.experts_blocks(cfg, groups, s))
-            got = moe.layer_decode_cpu(cfg, router, groups, x)
+            got = moe.layer_cpu(cfg, router, groups, x)
             assert got is not None and got.dtype == want.dtype and got.shape == want.shape
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (seed, (got - want).abs().max())
     assert ties        # (some tokens had the tied pair at the k-th place: the lower expert was picked)
@@ -526,26 +530,28 @@ def test_cpu_layer_call_matches_the_tensor_path_to_the_bit(dtype, fused_gate_up,
 def test_cpu_layer_call_declines_what_it_does_not_cover():
     cfg, router, groups, g = _moe_layer("qwen3_moe", torch.bfloat16, True, 0, "cpu")
     x = torch.randn(1, 32, generator=g).to(torch.bfloat16)
-    assert moe.layer_decode_cpu(cfg, router, groups, x) is not None
-    assert moe.layer_decode_cpu(cfg, router, groups, x.repeat(2, 1)) is None            # two tokens
-    assert moe.layer_decode_cpu(cfg, router, groups[1:], x) is None                    # experts missing
-    assert moe.layer_decode_cpu(cfg, router, groups[::-1], x) is None                  # out of order
+    assert moe.layer_cpu(cfg, router, groups, x) is not None
+    assert moe.layer_cpu(cfg, router, groups, x.repeat(16, 1)) is not None
+    assert moe.layer_cpu(cfg, router, groups, x.repeat(17, 1)) is None                 # more than 16 tokens
+    assert moe.layer_cpu(cfg, router, groups[1:], x) is None                           # experts missing
+    assert moe.layer_cpu(cfg, router, groups[::-1], x) is None                         # out of order
     mix = _moe_layer("mixtral", torch.bfloat16, True, 0, "cpu")
-    assert moe.layer_decode_cpu(mix[0], mix[1], mix[2], x) is None                     # float32 routing weights
+    assert moe.layer_cpu(mix[0], mix[1], mix[2], x) is None                            # float32 routing weights
     f32 = _moe_layer("qwen3_moe", torch.float32, True, 0, "cpu")
-    assert moe.layer_decode_cpu(f32[0], f32[1], f32[2], x.float()) is None             # float32 activations
+    assert moe.layer_cpu(f32[0], f32[1], f32[2], x.float()) is None                    # float32 activations
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_decode_through_the_cpu_layer_call_gives_the_same_logits(tiny_model, dtype, monkeypatch):
-    """A decode whose MoE layers run as one native call each gives the logits of the general path (router,
-    groups and residual add one by one) at every step, to the bit; the call ran once per layer per token."""
+    """A generation whose MoE layers run as one native call each gives the logits of the general path
+    (router, groups and residual add one by one) at every step, to the bit: the short prompt's step and each
+    decode step, one call per layer each."""
     monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)
     monkeypatch.setattr(kernels, "MIN_WEIGHTS_16BIT", 0)
     calls = []
-    real = kernels.moe_decode
-    monkeypatch.setattr(kernels, "moe_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = kernels.moe_layer
+    monkeypatch.setattr(kernels, "moe_layer", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     path = tiny_model("qwen3_moe")
 
     def run(layer_call: str):
@@ -553,7 +559,7 @@ def test_decode_through_the_cpu_layer_call_gives_the_same_logits(tiny_model, dty
         return _decode_steps(path, dtype)
 
     tokens, steps, layers = run("1")
-    assert len(calls) == layers * (len(tokens) - 1)      # every decode step's layers (the prompt's: not one token)
+    assert len(calls) == layers * len(tokens)      # every step's layers: the short prompt's and each decode step's
     calls.clear()
     tokens_before, steps_before, _ = run("0")
     assert not calls
@@ -564,20 +570,20 @@ def test_decode_through_the_cpu_layer_call_gives_the_same_logits(tiny_model, dty
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("norm_topk", [True, False])
-def test_one_token_native_routing_picks_what_softmax_and_a_stable_sort_pick(dtype, norm_topk):
-    """`kernels.moe_route` (one token on the CPU, shared with the layer call) against PyTorch's softmax and a
-    stable descending sort: the same experts in the same order, ties to the lower expert, and 16-bit weights
-    within one rounding (float32: a few units in the last place; the exp and the sum's order are the C
-    library's)."""
+def test_native_routing_picks_what_softmax_and_a_stable_sort_pick(dtype, norm_topk):
+    """`kernels.moe_route` (a step of up to 16 tokens on the CPU, shared with the layer call) against
+    PyTorch's softmax and a stable descending sort: the same experts in the same order, ties to the lower
+    expert, and 16-bit weights within one rounding (float32: a few units in the last place; the exp and the
+    sum's order are the C library's)."""
     cfg = ModelConfig(arch="qwen3_moe", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=1e4, max_position_embeddings=64,
                       dtype="bfloat16", num_experts=128, num_experts_per_tok=8, moe_intermediate_size=16,
                       norm_topk_prob=norm_topk)
     g = torch.Generator().manual_seed(3)
     ties = 0
-    for _ in range(200):
-        logits = (torch.randn(1, 128, generator=g) * 2).to(dtype)
-        logits[0, 77] = logits[0, 20]                       # a tie, sometimes at the k-th place
+    for rows in [1] * 150 + [16] * 10:
+        logits = (torch.randn(rows, 128, generator=g) * 2).to(dtype)
+        logits[:, 77] = logits[:, 20]                       # a tie, sometimes at the k-th place
         got_w, got_i = kernels.moe_route(logits, 8, norm_topk, dtype)
         probs = torch.softmax(logits.float(), dim=-1)
         want_w, want_i = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -585,13 +591,13 @@ def test_one_token_native_routing_picks_what_softmax_and_a_stable_sort_pick(dtyp
         if norm_topk:
             want_w = want_w / want_w.sum(dim=-1, keepdim=True)
         assert torch.equal(got_i, want_i)
-        ties += 20 in got_i[0].tolist() and 77 not in got_i[0].tolist()
+        ties += sum(20 in r and 77 not in r for r in got_i.tolist())
         assert got_w.dtype == dtype
         # (float32 keeps the sums' last bits: over 128 experts their order moves a few of them)
         rtol = torch.finfo(dtype).eps * (8 if dtype == torch.float32 else 1)
         assert torch.allclose(got_w.float(), want_w.to(dtype).float(), rtol=rtol, atol=0)
     assert ties
-    assert kernels.moe_route(torch.zeros(2, 128), 8, True, torch.float32) is None       # one token only
+    assert kernels.moe_route(torch.zeros(17, 128), 8, True, torch.float32) is None      # up to 16 tokens
     assert moe.route(cfg, logits, dtype)[1].equal(got_i)                               # moe.route takes it
 
 
