@@ -8,12 +8,14 @@ one SwiGLU over them and adds its weighted output back with `index_add_`. `finis
 experts to the residual stream. Each block runs wherever its weights and the state are, so the executor
 can place the router and every group independently; `MoeState.to` moves the state between devices.
 
-Routing follows transformers: softmax over all experts in float32, top k (on the CPU ties go to the lower
-expert: a stable sort), renormalised to sum to 1 where `norm_topk_prob` (always for mixtral, whose top-k-then-softmax is the same function);
-qwen3_moe casts the weights to the model's dtype before use, mixtral applies them in float32. A router
-stored wider than the activations (GGUF files keep it in F32) scores the experts at its own precision.
-Experts run in ascending order and their outputs are summed into a zero tensor before the residual add,
-as in transformers, so every placement sums in the same order and gives the same result.
+Routing follows transformers: softmax over all experts in float32, top k (on the CPU ties go to the
+lower expert), renormalised to sum to 1 where `norm_topk_prob` (always for mixtral, whose
+top-k-then-softmax is the same function); qwen3_moe casts the weights to the model's dtype before use,
+mixtral applies them in float32. A router stored wider than the activations (GGUF files keep it in F32)
+scores the experts at its own precision. Experts run in ascending order and their outputs are summed into a
+zero tensor before the residual add, as in transformers, so every placement sums in the same order and
+gives the same result. On the CPU, a step of up to 16 tokens whose layer is all there runs as one native
+call (`layer_cpu`), with the same bits.
 """
 
 from __future__ import annotations
@@ -79,8 +81,8 @@ def route(cfg: ModelConfig, logits: torch.Tensor,
     probs = torch.softmax(logits.float(), dim=-1)
     if probs.device.type == "cpu":
         # (a stable descending sort, not topk: of experts whose probabilities tie, the lower index is
-        # picked first, as the CPU layer call picks them; 16-bit router logits tie often, and topk's order
-        # among ties depends on its algorithm. A GPU keeps topk: its sort's kernels had not run on the GPU)
+        # picked first, as the native routing picks them; 16-bit router logits tie often, and topk's order
+        # among ties depends on its algorithm. The GPU keeps topk, which its measured runs used)
         top_w, top_i = torch.sort(probs, dim=-1, descending=True, stable=True)
         top_w, top_i = top_w[..., :cfg.num_experts_per_tok], top_i[..., :cfg.num_experts_per_tok]
     else:
