@@ -9,7 +9,8 @@ engine whose budget moves with `set_vram_budget`, as the suite runs it. Per budg
 then `--reps` rounds of (on, off) in turn, each a fresh prompt of `--prompt` random printable bytes and
 `--tokens` sampled tokens (temperature 1, a seed per round, as the suite's decode rows); decode tokens/s
 counts from the first token to the last. Then one greedy decode each way from the same prompt, to
-compare the tokens. Alternating inside one process keeps leases' and processes' drift out of the
+compare the tokens; with `--batches`, batches of that many streams submitted at once (the suite's batch
+rows' aggregate rate), twice each way. Alternating inside one process keeps leases' and processes' drift out of the
 comparison (session 10 measured up to 1.5x between processes of one lease on this shape). Writes a table
 and moe_layer_ab[_<tag>].json (command, machine, date).
 """
@@ -57,6 +58,23 @@ def decode_tps(eng, prompt: str, n: int, temperature: float, seed: int) -> tuple
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0, tokens
 
 
+def batch_rates(eng, batches: list[int], tokens: int) -> dict:
+    """Aggregate decode tokens/s of `b` streams submitted at once (as the suite's batch rows), on then off
+    for each b, then off then on (two runs each way)."""
+    from engine.bench.batch_throughput import run_streams
+
+    ex, out = eng.executor, {}
+    for b in batches:
+        runs = {True: [], False: []}
+        for flag in (True, False, False, True):
+            ex.cpu_moe_layer = flag
+            runs[flag].append(round(run_streams(eng, b, 64, tokens, seed=b)["decode_aggregate_tokens_per_s"], 2))
+        out[str(b)] = {"on_tps": runs[True], "off_tps": runs[False],
+                       "speedup": round(statistics.median(runs[True]) / statistics.median(runs[False]), 3)}
+    ex.cpu_moe_layer = True
+    return out
+
+
 def run_budget(eng, budget: str, reps: int, tokens: int, prompt_len: int, rng: random.Random) -> dict:
     eng.set_vram_budget(parse_bytes(budget))
     ex = eng.executor
@@ -97,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="rounds of (on, off) per budget")
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64, help="prompt length in random printable bytes")
+    ap.add_argument("--batches", default="", help="also batches of these many streams, on and off (e.g. 4,16)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = ap.parse_args(argv)
@@ -110,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
         for b in budgets:
             rows.append(run_budget(eng, b, args.reps, args.tokens, args.prompt, rng))
             r = rows[-1]
+            if args.batches:
+                r["batches"] = batch_rates(eng, [int(n) for n in args.batches.split(",")], args.tokens)
+                print(f"{b} batches: " + "; ".join(f"{n}: on {v['on_tps']} off {v['off_tps']} -> {v['speedup']}x"
+                                                  for n, v in r["batches"].items()), flush=True)
             print(f"{b}: on {r['on_tps']} off {r['off_tps']} -> {r['speedup']}x, greedy same: "
                   f"{r['greedy_same_tokens']}", flush=True)
     finally:
