@@ -1,0 +1,56 @@
+"""`engine.bench.part_replace`: a later call's rows of some models replace (or join) a part file's rows of
+the same system, model and budget; the rest stay; meta lists grow; an archived copy stays out of the merge."""
+
+from __future__ import annotations
+
+import json
+
+from engine.bench import part_replace
+from engine.bench.gpu_merge import load_parts
+
+
+def _part(rows, updated, commands, weights=None):
+    meta = {"commands": commands, "lease_probes": [{"at": updated}]}
+    if weights:
+        meta["weights"] = weights
+    return {"part": "slipstream", "updated": updated, "meta": meta, "rows": rows}
+
+
+def _row(model, budget, tps):
+    return {"system": "slipstream", "model": model, "budget": budget, "decode_tps": tps}
+
+
+def test_rows_of_the_chosen_model_replace_and_join_the_rest_stay(tmp_path):
+    into = tmp_path / "part-slipstream.json"
+    into.write_text(json.dumps(_part([_row("llama3-8b", "4GiB", 8.6), _row("qwen3-30b-a3b", "2GiB", 21.2),
+                                      _row("qwen3-30b-a3b", "4GiB", 24.1)], "2026-11-30T10:00:00+00:00",
+                                     ["old"], "random_std")))
+    src = tmp_path / "new.json"
+    src.write_text(json.dumps(_part([_row("qwen3-30b-a3b", "4GiB", 30.0), _row("qwen3-30b-a3b", "8GiB", 29.0),
+                                     _row("llama3-8b", "4GiB", 99.0)], "2026-12-01T10:00:00+00:00",
+                                    ["new"], "random_std")))
+    assert part_replace.main(["--into", str(into), "--source", str(src), "--models", "qwen3-30b-a3b",
+                              "--note", "call KK", "--archive", "s14"]) == 0
+    out = json.loads(into.read_text())
+    got = {(r["model"], r["budget"]): (r["decode_tps"], r.get("call")) for r in out["rows"]}
+    assert got == {("llama3-8b", "4GiB"): (8.6, None), ("qwen3-30b-a3b", "2GiB"): (21.2, None),
+                   ("qwen3-30b-a3b", "4GiB"): (30.0, "call KK"), ("qwen3-30b-a3b", "8GiB"): (29.0, "call KK")}
+    assert out["meta"]["commands"] == ["old", "new"] and len(out["meta"]["lease_probes"]) == 2
+    assert out["meta"]["weights"] == "random_std" and out["updated"] > "2026-11-30T10:00:00+00:00"
+    archived = tmp_path / "part-slipstream-s14.json"
+    assert json.loads(archived.read_text())["rows"][2]["decode_tps"] == 24.1
+    assert load_parts([tmp_path])["slipstream"]["rows"] == out["rows"]     # the merge reads the new file
+
+
+def test_budgets_narrow_the_selection_and_other_parts_are_refused(tmp_path):
+    into = tmp_path / "part-slipstream.json"
+    into.write_text(json.dumps(_part([_row("m", "2GiB", 1.0), _row("m", "4GiB", 2.0)], "a", [])))
+    src = tmp_path / "new.json"
+    src.write_text(json.dumps(_part([_row("m", "2GiB", 5.0), _row("m", "4GiB", 6.0)], "b", [])))
+    assert part_replace.main(["--into", str(into), "--source", str(src), "--budgets", "4GiB"]) == 0
+    assert [r["decode_tps"] for r in json.loads(into.read_text())["rows"]] == [1.0, 6.0]
+    other = dict(json.loads(src.read_text()), part="llamacpp")
+    src.write_text(json.dumps(other))
+    before = into.read_text()
+    assert part_replace.main(["--into", str(into), "--source", str(src)]) == 2
+    assert into.read_text() == before
