@@ -1,8 +1,10 @@
-"""Decode of a MoE shape with and without the CPU layer call (`moe.layer_cpu`), alternating in one
-engine, at each budget: tokens/s per run, and whether greedy decoding gave the same tokens both ways.
+"""Decode with and without the CPU layer calls (`--calls`: the MoE layer call `moe.layer_cpu`, the one-token
+attention call `kernels.attention_decode`, or both), alternating in one engine, at each budget: tokens/s
+per run, and whether greedy decoding gave the same tokens both ways.
 
     python -m engine.bench.moe_layer_ab --layers 24 --budgets 4GiB,2GiB,8GiB --out DIR   # the GPU machine
     python -m engine.bench.moe_layer_ab --layers 2 --device sim --budgets 8GiB --out DIR  # a dry run
+    python -m engine.bench.moe_layer_ab --shape llama3-8b --layers 0 --calls attention --budgets 4GiB --out DIR
 
 The Qwen3-30B-A3B shape (`--shape`) at full width with `--layers` layers (random bf16 weights, `random_std`), one
 engine whose budget moves with `set_vram_budget`, as the suite runs it. Per budget: one warm-up each way,
@@ -58,7 +60,17 @@ def decode_tps(eng, prompt: str, n: int, temperature: float, seed: int) -> tuple
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0, tokens
 
 
-def batch_rates(eng, batches: list[int], tokens: int) -> dict:
+CALLS = {"moe": ("cpu_moe_layer",), "attention": ("cpu_attention_call",),
+         "both": ("cpu_moe_layer", "cpu_attention_call")}
+
+
+def _set(ex, on: bool, calls: str) -> None:
+    """Turn the executor switches of the calls under test (`--calls`) on or off; the others stay on."""
+    for name in CALLS[calls]:
+        setattr(ex, name, on)
+
+
+def batch_rates(eng, batches: list[int], tokens: int, calls: str = "moe") -> dict:
     """Aggregate decode tokens/s of `b` streams submitted at once (as the suite's batch rows), on then off
     for each b, then off then on (two runs each way)."""
     from engine.bench.batch_throughput import run_streams
@@ -67,15 +79,16 @@ def batch_rates(eng, batches: list[int], tokens: int) -> dict:
     for b in batches:
         runs = {True: [], False: []}
         for flag in (True, False, False, True):
-            ex.cpu_moe_layer = flag
+            _set(ex, flag, calls)
             runs[flag].append(round(run_streams(eng, b, 64, tokens, seed=b)["decode_aggregate_tokens_per_s"], 2))
         out[str(b)] = {"on_tps": runs[True], "off_tps": runs[False],
                        "speedup": round(statistics.median(runs[True]) / statistics.median(runs[False]), 3)}
-    ex.cpu_moe_layer = True
+    _set(ex, True, calls)
     return out
 
 
-def run_budget(eng, budget: str, reps: int, tokens: int, prompt_len: int, rng: random.Random) -> dict:
+def run_budget(eng, budget: str, reps: int, tokens: int, prompt_len: int, rng: random.Random,
+               calls: str = "moe") -> dict:
     eng.set_vram_budget(parse_bytes(budget))
     ex = eng.executor
     tier1 = next((t for t in compact_plan(eng.plan_report())["tiers"] if t.get("tokens") == 1), {})
@@ -86,19 +99,19 @@ def run_budget(eng, budget: str, reps: int, tokens: int, prompt_len: int, rng: r
         return "".join(chr(rng.randint(33, 126)) for _ in range(prompt_len))
 
     for flag in (True, False):                        # warm-up, both ways
-        ex.cpu_moe_layer = flag
+        _set(ex, flag, calls)
         decode_tps(eng, prompt(), 8, 1.0, 0)
     for r in range(reps):
         for flag in ((True, False) if r % 2 == 0 else (False, True)):
-            ex.cpu_moe_layer = flag
+            _set(ex, flag, calls)
             tps, _ = decode_tps(eng, prompt(), tokens, 1.0, r + 1)
             row["on_tps" if flag else "off_tps"].append(round(tps, 2))
     same = prompt()
     greedy = {}
     for flag in (True, False):
-        ex.cpu_moe_layer = flag
+        _set(ex, flag, calls)
         greedy[flag] = decode_tps(eng, same, tokens, 0.0, 0)[1]
-    ex.cpu_moe_layer = True
+    _set(ex, True, calls)
     row["on_median_tps"] = statistics.median(row["on_tps"])
     row["off_median_tps"] = statistics.median(row["off_tps"])
     row["speedup"] = round(row["on_median_tps"] / row["off_median_tps"], 3) if row["off_median_tps"] else None
@@ -108,7 +121,7 @@ def run_budget(eng, budget: str, reps: int, tokens: int, prompt_len: int, rng: r
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.bench.moe_layer_ab", description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="qwen3-30b-a3b", help="a MoE shape of engine.bench.shapes, or tiny-moe")
+    ap.add_argument("--shape", default="qwen3-30b-a3b", help="a shape of engine.bench.shapes (or tiny-moe, tiny-llama)")
     ap.add_argument("--layers", type=int, default=24, help="keep this many layers (0: all)")
     ap.add_argument("--device", default="cuda", help="cuda, or sim (a dry run)")
     ap.add_argument("--budgets", default="4GiB,2GiB,8GiB")
@@ -116,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=64, help="prompt length in random printable bytes")
     ap.add_argument("--batches", default="", help="also batches of these many streams, on and off (e.g. 4,16)")
+    ap.add_argument("--calls", choices=tuple(CALLS), default="moe",
+                    help="which CPU call to turn on and off: the MoE layer call, the one-token attention call, both")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = ap.parse_args(argv)
@@ -127,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for b in budgets:
-            rows.append(run_budget(eng, b, args.reps, args.tokens, args.prompt, rng))
+            rows.append(run_budget(eng, b, args.reps, args.tokens, args.prompt, rng, args.calls))
             r = rows[-1]
             if args.batches:
-                r["batches"] = batch_rates(eng, [int(n) for n in args.batches.split(",")], args.tokens)
+                r["batches"] = batch_rates(eng, [int(n) for n in args.batches.split(",")], args.tokens, args.calls)
                 print(f"{b} batches: " + "; ".join(f"{n}: on {v['on_tps']} off {v['off_tps']} -> {v['speedup']}x"
                                                   for n, v in r["batches"].items()), flush=True)
             print(f"{b}: on {r['on_tps']} off {r['off_tps']} -> {r['speedup']}x, greedy same: "
@@ -143,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['budget']} | {r['on_median_tps']:.2f} | {r['off_median_tps']:.2f} | {r['speedup']} | "
               f"{r['greedy_same_tokens']} | {r['decode_plan'].get('predicted_ms') or 0:.1f} |")
     name = "moe_layer_ab" + (f"_{args.tag}" if args.tag else "")
-    path = write_report(args.out, name, {"device": args.device, "shape": args.shape, "layers": args.layers, "open_seconds": round(opened, 1),
+    path = write_report(args.out, name, {"device": args.device, "shape": args.shape, "calls": args.calls,
+                                         "layers": args.layers, "open_seconds": round(opened, 1),
                                          "reps": args.reps, "tokens": args.tokens, "rows": rows},
                         "python -m engine.bench.moe_layer_ab " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"wrote {path}")

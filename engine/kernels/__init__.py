@@ -169,6 +169,13 @@ def _load():
         lib.sl_moe_route.restype = ctypes.c_int
         lib.sl_silu_mul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         lib.sl_silu_mul.restype = ctypes.c_int
+        lib.sl_attn_decode.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                       ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                                       ctypes.c_void_p, ctypes.c_void_p]
+        lib.sl_attn_decode.restype = ctypes.c_int
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
@@ -549,6 +556,55 @@ def moe_layer(x: torch.Tensor, norm_w: torch.Tensor, eps: float, router: torch.T
                               int(norm_topk), table.gate, table.up, table.down, H, table.inter, out.data_ptr())
     finally:
         _busy.release()
+    return out if rc == 0 else None
+
+
+def attention_decode(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float, heads: int, kv_heads: int,
+                     cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                     table: torch.Tensor, pos: int) -> torch.Tensor | None:
+    """One decode token's attention sub-layer on the CPU in one native call (`sl_attn_decode`: the norm, the
+    stacked q/k/v projection with its bias, the q/k norms where `w` has them, RoPE, the cache write at
+    `pos`, attention over positions 0..pos and the output projection with the residual add, rounded where
+    the tensor path rounds). x [1, H] 16-bit; w: the sub-layer's weights ("attn_norm.weight",
+    "qkv.weight", optional "qkv.bias", "q_norm.weight" and "k_norm.weight", "o.weight"); cos, sin: [d]
+    rows in x's dtype; k_pool, v_pool: [n_blocks, BLOCK, kv_heads, d] in x's dtype; table: the sequence's
+    block ids (int64). None (nothing written) where it does not apply: another dtype or layout, no vector
+    attention kernel (`attention_ready`), a matmul the tensor path would leave to PyTorch (its bits would
+    differ), the pool busy."""
+    if not attention_ready() or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.shape[0] != 1:
+        return None
+    dtype, H = x.dtype, x.shape[1]
+    qkv, o, nw = w.get("qkv.weight"), w.get("o.weight"), w.get("attn_norm.weight")
+    bias, qn, kn = w.get("qkv.bias"), w.get("q_norm.weight"), w.get("k_norm.weight")
+    if bias is None and "q.bias" in w:         # (the biases' packing left gaps between them: no stacked view)
+        bias = torch.cat([w["q.bias"], w["k.bias"], w["v.bias"]])
+    d = k_pool.shape[-1] if k_pool.dim() == 4 else 0
+    if (qkv is None or o is None or nw is None or not d or (qn is None) != (kn is None) or not x.is_contiguous()
+            or qkv.shape != ((heads + 2 * kv_heads) * d, H) or o.shape != (H, heads * d)
+            or not usable(x, qkv) or not usable(x.new_empty(1, heads * d), o)
+            or not qkv.is_contiguous() or not o.is_contiguous() or nw.shape != (H,) or not nw.is_contiguous()
+            or nw.dtype not in (dtype, torch.float32) or nw.device.type != "cpu"
+            or (bias is not None and (bias.dtype != dtype or bias.shape != (qkv.shape[0],) or not bias.is_cpu))
+            or k_pool.dtype != dtype or v_pool.dtype != dtype or k_pool.shape != v_pool.shape
+            or k_pool.shape[1] != KV_BLOCK or k_pool.shape[2] != kv_heads or d > MAX_HEAD_DIM
+            or not (k_pool.is_cpu and v_pool.is_cpu and k_pool.is_contiguous() and v_pool.is_contiguous())
+            or cos.dtype != dtype or sin.dtype != dtype or cos.numel() != d or sin.numel() != d
+            or not (cos.is_cpu and sin.is_cpu and cos.is_contiguous() and sin.is_contiguous())
+            or table.dtype != torch.int64 or not table.is_cpu or not table.is_contiguous()):
+        return None
+    if qn is not None and (qn.dtype != kn.dtype or qn.dtype not in (dtype, torch.float32) or qn.shape != (d,)
+                           or kn.shape != (d,) or not (qn.is_cpu and kn.is_cpu and qn.is_contiguous()
+                                                       and kn.is_contiguous())):
+        return None
+    lib = _lib
+    out = torch.empty_like(x)
+    with _busy:
+        rc = lib.sl_attn_decode(_DTYPES[dtype], _DTYPES[nw.dtype], x.data_ptr(), H, nw.data_ptr(), float(eps),
+                                qkv.data_ptr(), None if bias is None else bias.data_ptr(), heads, kv_heads, d,
+                                _DTYPES[qn.dtype] if qn is not None else 0, None if qn is None else qn.data_ptr(),
+                                None if kn is None else kn.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], table.data_ptr(),
+                                table.numel(), pos, 1.0 / math.sqrt(d), o.data_ptr(), out.data_ptr())
     return out if rc == 0 else None
 
 

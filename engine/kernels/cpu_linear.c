@@ -1462,6 +1462,68 @@ int sl_moe_layer(int dtype, int ndtype, int rdtype, const void *x, int64_t t, co
     return 0;
 }
 
+/* ---- one decode token's attention sub-layer on the CPU in one call ----------------------------------
+ * out = x + o(attention(rope(q), cache + rope(k), cache + v)), where q, k, v come from h = rms_norm(x) through
+ * the stacked q/k/v projection (with its bias where given) and, where given, the q and k norms; the new key
+ * and value are written to the paged pool at position `pos` (row table[pos / KV_BLOCK] * KV_BLOCK + pos %
+ * KV_BLOCK), and the query attends over positions 0..pos through sl_paged_attention. Every value is rounded
+ * where the tensor path (dense.attention_qkv, KVCache.write_many, KVCache.attend_decode,
+ * dense.attention_out) rounds it, with this library's own norm, matmuls and attention, so the two agree to
+ * the bit: RoPE as x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype. The tensor
+ * path spends about 36 PyTorch ops and four library calls on this. cos, sin: the position's [d] rows in the
+ * dtype. Returns 0, or -1 (nothing written) for an unsupported dtype or size. */
+int sl_attn_decode(int dtype, int ndtype, const void *x, int64_t H, const void *norm_w, float eps,
+                   const void *qkv_w, const void *qkv_b, int64_t nh, int64_t nkv, int64_t d, int qndtype,
+                   const void *qn_w, const void *kn_w, const void *cos, const void *sin, void *k_pool, void *v_pool,
+                   int64_t n_blocks, const int64_t *table, int64_t table_len, int64_t pos, float scale,
+                   const void *o_w, void *out) {
+    if ((dtype != DT_BF16 && dtype != DT_F16) || (ndtype != dtype && ndtype != DT_F32) || H <= 0 || nh < 1
+        || nkv < 1 || nh % nkv || d < 2 || d % 2 || d > ATT_MAX_D || pos < 0 || pos / KV_BLOCK >= table_len
+        || (qn_w && (qndtype != dtype && qndtype != DT_F32)))
+        return -1;
+    const int64_t row = table[pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK;
+    if (table[pos / KV_BLOCK] < 0 || table[pos / KV_BLOCK] >= n_blocks) return -1;
+    if (pool.n == 0) sl_set_threads(1, -1);
+    const size_t es = 2;
+    const int64_t nq = nh * d, nk = nkv * d, nqkv = nq + 2 * nk, half = d / 2;
+    uint16_t *buf = malloc((size_t)(H + nqkv + (nq + nk) * 2 + nq + H) * es);
+    if (!buf) return -1;
+    uint16_t *h = buf, *qkv = h + H, *qkn = qkv + nqkv, *rq = qkn + nq + nk, *att = rq + nq + nk, *o = att + nq;
+
+    sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, 1, H, 0, 0, eps);
+    linear_job j1 = {dtype, h, qkv_w, qkv_b, qkv, 1, nqkv, H, NULL};
+    run_jobs(&j1, 1);
+    const uint16_t *qk = qkv;
+    if (qn_w) {
+        sl_rms_norm(dtype, qndtype, qkv, qn_w, kn_w, qkn, nh + nkv, d, nh + nkv, nh, eps);
+        qk = qkn;
+    }
+    for (int64_t hd = 0; hd < nh + nkv; hd++) {           /* RoPE: x * cos + rotate_half(x) * sin */
+        const uint16_t *xr = qk + hd * d;
+        for (int64_t i = 0; i < d; i++) {
+            float xv = load_elem(dtype, xr, i);
+            float r = i < half ? -load_elem(dtype, xr, i + half) : load_elem(dtype, xr, i - half);
+            float a = round_to(dtype, xv * load_elem(dtype, cos, i));
+            float b = round_to(dtype, r * load_elem(dtype, sin, i));
+            store_elem(dtype, rq, hd * d + i, a + b);
+        }
+    }
+    memcpy((uint16_t *)k_pool + row * nk, rq + nq, nk * es);
+    memcpy((uint16_t *)v_pool + row * nk, qkv + nq + nk, nk * es);
+    const void *qp = rq;
+    void *op = att;
+    const int64_t L = pos + 1;
+    int rc = sl_paged_attention(dtype, 1, &qp, &op, &table, &table_len, &L, k_pool, v_pool, n_blocks, nh, nkv, d,
+                                d, d, scale);
+    if (rc == 0) {
+        linear_job j2 = {dtype, att, o_w, NULL, o, 1, H, nq, NULL};
+        run_jobs(&j2, 1);
+        for (int64_t i = 0; i < H; i++) store_elem(dtype, out, i, load_elem(dtype, x, i) + load_elem(dtype, o, i));
+    }
+    free(buf);
+    return rc;
+}
+
 /* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C (the tiles
  * of many-row bf16 matmuls: sl_amx_ready). */
 int sl_isa(void) {

@@ -136,6 +136,8 @@ class Executor:
         # a step's MoE layer all on the CPU as one native call, up to 16 tokens (`moe.layer_cpu`; 0: A/B runs)
         self.cpu_moe_layer = os.environ.get("SLIPSTREAM_MOE_CPU_LAYER", "1") != "0"
         self._cpu_tables: dict[str, tuple] = {}   # router -> (plan, its groups, their weights, expert table)
+        # a one-token attention on the CPU as one native call (`kernels.attention_decode`; 0: A/B runs)
+        self.cpu_attention_call = os.environ.get("SLIPSTREAM_CPU_ATTENTION_CALL", "1") != "0"
         # A GPU expert group in a step of more than moe.FEW_TOKENS tokens runs in padded runs
         # (`moe.experts_padded`); False (SLIPSTREAM_MOE_PADDED=0, for A/B runs): one expert at a time
         self.padded_moe = os.environ.get("SLIPSTREAM_MOE_PADDED", "1") != "0"
@@ -624,6 +626,17 @@ class Executor:
 
         cos, sin = cos_sin
         pool = self.kv.pools[layer]
+        if (self.cpu_attention_call and not x.is_cuda and len(segs) == 1 and segs[0].n == 1 and not host_kv
+                and not pool.on_gpu and not pool.fp8 and pool.parts is not None and segs[0].masks[dev] is None
+                and self.plan.placement[f"layers.{layer}.attn"] is Placement.CPU):
+            # one native call (`kernels.attention_decode`): norm, projections, q/k norms, RoPE, the cache
+            # write, attention and the output projection, with the tensor path's bits
+            s = segs[0]
+            y = kernels.attention_decode(x, w, self.cfg.rms_norm_eps, self.cfg.num_heads, self.cfg.num_kv_heads,
+                                         cos[0], sin[0], pool.parts[0], pool.parts[1],
+                                         self.kv.decode_table(s.seq, s.start + 1), s.start)
+            if y is not None:
+                return y
         if (self.graphs is not None and self.graphs.applies(x) and self.graph_attention and len(segs) == 1
                 and segs[0].n == 1 and not host_kv and pool.on_gpu and not pool.fp8
                 and graphs.fits_padded_context(segs[0].start + 1, self._kv_token_bytes(layer))):

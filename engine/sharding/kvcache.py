@@ -823,16 +823,19 @@ class PagedKVCache:
         pool = self.pools[layer]
         if pool.fp8 or pool.parts is None or not pool.k.is_cpu or not q.is_cpu or not kernels.attention_ready():
             return None
-        tables = []
-        for seq, length in seqs:
-            blocks = tuple(seq.block_table[:-(-length // BLOCK_SIZE)])
-            key = ("table", blocks)
-            table = self._index_memo.get(key)
-            if table is None:
-                table = self._memo_index(key, torch.tensor(blocks, dtype=torch.long), torch.device("cpu"))
-            tables.append(table)
+        tables = [self.decode_table(seq, length) for seq, length in seqs]
         return kernels.paged_decode_attention(q, pool.parts[0], pool.parts[1], tables, [n for _, n in seqs], rows,
                                               out)
+
+    def decode_table(self, seq: Sequence, length: int) -> torch.Tensor:
+        """The block ids (int64, CPU) holding positions 0..length-1 of `seq`, kept for the step's other
+        layers."""
+        blocks = tuple(seq.block_table[:-(-length // BLOCK_SIZE)])
+        key = ("table", blocks)
+        table = self._index_memo.get(key)
+        if table is None:
+            table = self._memo_index(key, torch.tensor(blocks, dtype=torch.long), torch.device("cpu"))
+        return table
 
     def read_padded(self, layer: int, seqs: list[tuple[Sequence, int]]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                     torch.Tensor]:

@@ -27,6 +27,7 @@ from engine import kernels
 from engine.config import ModelConfig
 from engine.models import moe
 from engine.models.transfer import MAX_PINNED_BYTES, packed_move
+from tests.engine.cpu_decode import decode_logged
 
 needs_kernel = pytest.mark.skipif(kernels._load() is None, reason=f"no native kernel: {kernels.status()}")
 
@@ -84,31 +85,6 @@ def test_linear_stacked_matches_linear_many(dtype):
     assert kernels.linear_stacked(h, gu, picks) is None                              # below the size threshold
 
 
-def _decode_steps(path, dtype: str):
-    """Greedy decode of 10 tokens on the CPU from the tiny model at `path` cast to `dtype` (the tiny models
-    are float32; bf16 sums in the native call): (tokens, each step's logits, layers)."""
-    from engine.backends.torch_engine import TorchEngine
-    from engine.loading import load_model
-
-    loaded = load_model(path)
-    loaded.config = dataclasses.replace(loaded.config, dtype=dtype)
-    loaded.weights = {k: v.to(getattr(torch, dtype)) for k, v in loaded.weights.items()}
-    eng = TorchEngine(loaded, device="cpu", speculative=False)
-    steps = []
-    fb = eng.executor.forward_batch
-
-    def forward_batch(items):
-        out = fb(items)
-        steps.append(torch.cat(out).clone())      # (the sampler may change the logits it is given)
-        return out
-
-    eng.executor.forward_batch = forward_batch
-    tokens = [e.token_id for e in eng.generate("a b c d e", max_new_tokens=10) if e.token_id is not None]
-    layers = eng.config.num_layers
-    eng.close()
-    return tokens, steps, layers
-
-
 @needs_kernel
 @pytest.mark.parametrize("arch,dtype", [("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16"), ("mixtral", "bfloat16")])
 def test_decode_path_matches_linear_many_path(tiny_model, arch, dtype, monkeypatch):
@@ -124,7 +100,7 @@ def test_decode_path_matches_linear_many_path(tiny_model, arch, dtype, monkeypat
     path = tiny_model(arch)
 
     def run():
-        return _decode_steps(path, dtype)[:2]
+        return decode_logged(path, dtype)[:2]
 
     tokens, steps = run()
     assert calls
@@ -556,7 +532,7 @@ def test_decode_through_the_cpu_layer_call_gives_the_same_logits(tiny_model, dty
 
     def run(layer_call: str):
         monkeypatch.setenv("SLIPSTREAM_MOE_CPU_LAYER", layer_call)
-        return _decode_steps(path, dtype)
+        return decode_logged(path, dtype)[:3]
 
     tokens, steps, layers = run("1")
     assert len(calls) == layers * len(tokens)      # every step's layers: the short prompt's and each decode step's

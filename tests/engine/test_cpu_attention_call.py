@@ -1,0 +1,66 @@
+"""A one-token attention on the CPU as one native call (`kernels.attention_decode`, `sl_attn_decode`): the
+norm, the stacked q/k/v projection (with qwen2's bias), qwen3's q/k norms, RoPE (llama3's scaled
+frequencies too), the paged cache write, attention and the output projection with the residual add give
+the tensor path's bits. A generation with the call gives the logits of one without it at every step, bf16
+and fp16, and the cache it leaves holds the same keys and values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine import kernels
+from tests.engine.cpu_decode import decode_logged
+
+needs_kernel = pytest.mark.skipif(kernels._load() is None or not kernels.attention_ready(),
+                                  reason=f"no native kernel: {kernels.status()}")
+
+
+def _generate(path, dtype: str, monkeypatch, call: str):
+    monkeypatch.setenv("SLIPSTREAM_CPU_ATTENTION_CALL", call)
+    tokens, steps, layers, pools = decode_logged(path, dtype, "a b c d e f g h i j k l m n o p q r s", 24)
+    return tokens, steps, pools, layers
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_generation_through_the_attention_call_matches_the_tensor_path(tiny_model, arch, dtype, monkeypatch):
+    monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(kernels, "MIN_WEIGHTS_16BIT", 0)       # (tiny matrices through the kernel both ways)
+    calls = []
+    real = kernels.attention_decode
+    monkeypatch.setattr(kernels, "attention_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    path = tiny_model(arch)
+    tokens, steps, pools, layers = _generate(path, dtype, monkeypatch, "1")
+    assert len(calls) == layers * (len(steps) - 1)             # every decode step's layers (not the prompt's)
+    calls.clear()
+    tokens_off, steps_off, pools_off, _ = _generate(path, dtype, monkeypatch, "0")
+    assert not calls
+    assert tokens == tokens_off
+    assert len(steps) == len(steps_off) and all(torch.equal(a, b) for a, b in zip(steps, steps_off))
+    assert all(torch.equal(a, b) for la, lb in zip(pools, pools_off) for a, b in zip(la, lb))
+
+
+@needs_kernel
+def test_the_attention_call_declines_what_it_does_not_cover(tiny_model, monkeypatch):
+    """Float32 activations, a matmul below the kernel's threshold (the tensor path would take PyTorch's, so
+    the bits would differ): None, nothing written."""
+    from engine.backends.torch_engine import TorchEngine
+    from engine.loading import load_model
+
+    results = []
+    real = kernels.attention_decode
+    monkeypatch.setattr(kernels, "attention_decode", lambda *a, **k: results.append(real(*a, **k)) or results[-1])
+    loaded = load_model(tiny_model("llama3"))
+    loaded.config = dataclasses.replace(loaded.config, dtype="bfloat16")
+    loaded.weights = {k: v.to(torch.bfloat16) for k, v in loaded.weights.items()}
+    eng = TorchEngine(loaded, device="cpu", speculative=False)     # tiny matrices: below MIN_WEIGHTS_16BIT
+    list(eng.generate("a b c", max_new_tokens=4))
+    eng.close()
+    assert results and all(r is None for r in results)
+    x = torch.zeros(1, 8)
+    assert real(x, {}, 1e-6, 1, 1, x[0], x[0], torch.zeros(1, 16, 1, 8), torch.zeros(1, 16, 1, 8),
+                torch.zeros(1, dtype=torch.int64), 0) is None                       # float32
