@@ -24,6 +24,7 @@ from engine.bench.gpu_common import write_report
 
 
 def ms_per_token(eng, tokens: int) -> tuple[float, list[int]]:
+    eng.executor.kv.forget_cached()     # (the same prompt each run: all of it computed, the same steps each way)
     stamps, ids = [], []
     for ev in eng.generate("hello world " * 8, max_new_tokens=tokens + 1, temperature=0.0):
         if ev.token_id is not None:

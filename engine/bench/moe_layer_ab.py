@@ -110,6 +110,7 @@ def run_budget(eng, budget: str, reps: int, tokens: int, prompt_len: int, rng: r
     greedy = {}
     for flag in (True, False):
         _set(ex, flag, calls)
+        ex.kv.forget_cached()        # (else the second run reuses the first's prompt blocks: other steps, other bits)
         greedy[flag] = decode_tps(eng, same, tokens, 0.0, 0)[1]
     _set(ex, True, calls)
     row["on_median_tps"] = statistics.median(row["on_tps"])
