@@ -6,7 +6,8 @@
 A random-weight model of a named shape in bf16 (`--layers`: keep that many), every sub-layer on the CPU
 (device "cpu"). Greedy decode of `--tokens` tokens after a short prompt, `--rounds` rounds, each round
 once with the calls on and once off (the order alternating): the one-token attention call
-(`kernels.attention_decode`) and, for a MoE shape, the MoE layer call (`moe.layer_cpu`). Reports the
+(`kernels.attention_decode`), the dense FFN call (`kernels.ffn_layer`) and, for a MoE shape, the MoE layer
+call (`moe.layer_cpu`). Reports the
 milliseconds per token of each run, their medians, and whether both ways gave the same tokens. Writes a
 table and cpu_calls_ab_<shape>.json (command, machine, date).
 """
@@ -34,8 +35,11 @@ def ms_per_token(eng, tokens: int) -> tuple[float, list[int]]:
 
 
 def set_calls(eng, on: bool) -> None:
+    from engine import kernels
+
     eng.executor.cpu_attention_call = on
     eng.executor.cpu_moe_layer = on
+    kernels.set_ffn_call(on)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,10 +1,10 @@
 """Decode with and without the CPU layer calls (`--calls`: the MoE layer call `moe.layer_cpu`, the one-token
-attention call `kernels.attention_decode`, or both), alternating in one engine, at each budget: tokens/s
-per run, and whether greedy decoding gave the same tokens both ways.
+attention call `kernels.attention_decode`, with the dense FFN call `kernels.ffn_layer`, or all), alternating
+in one engine, at each budget: tokens/s per run, and whether greedy decoding gave the same tokens both ways.
 
     python -m engine.bench.moe_layer_ab --layers 24 --budgets 4GiB,2GiB,8GiB --out DIR   # the GPU machine
     python -m engine.bench.moe_layer_ab --layers 2 --device sim --budgets 8GiB --out DIR  # a dry run
-    python -m engine.bench.moe_layer_ab --shape llama3-8b --layers 0 --calls attention --budgets 4GiB --out DIR
+    python -m engine.bench.moe_layer_ab --shape llama3-8b --layers 0 --calls dense --budgets 4GiB --out DIR
 
 The Qwen3-30B-A3B shape (`--shape`) at full width with `--layers` layers (random bf16 weights, `random_std`), one
 engine whose budget moves with `set_vram_budget`, as the suite runs it. Per budget: one warm-up each way,
@@ -60,14 +60,20 @@ def decode_tps(eng, prompt: str, n: int, temperature: float, seed: int) -> tuple
     return (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0, tokens
 
 
-CALLS = {"moe": ("cpu_moe_layer",), "attention": ("cpu_attention_call",),
-         "both": ("cpu_moe_layer", "cpu_attention_call")}
+CALLS = {"moe": ("cpu_moe_layer",), "attention": ("cpu_attention_call",), "dense": ("cpu_attention_call", "ffn"),
+         "all": ("cpu_moe_layer", "cpu_attention_call", "ffn")}
 
 
 def _set(ex, on: bool, calls: str) -> None:
-    """Turn the executor switches of the calls under test (`--calls`) on or off; the others stay on."""
+    """Turn the switches of the calls under test (`--calls`) on or off; the others stay on. "ffn": the
+    one-call dense FFN (`kernels.set_ffn_call`, process-wide); the rest: the executor's."""
+    from engine import kernels
+
     for name in CALLS[calls]:
-        setattr(ex, name, on)
+        if name == "ffn":
+            kernels.set_ffn_call(on)
+        else:
+            setattr(ex, name, on)
 
 
 def batch_rates(eng, batches: list[int], tokens: int, calls: str = "moe") -> dict:
@@ -131,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt", type=int, default=64, help="prompt length in random printable bytes")
     ap.add_argument("--batches", default="", help="also batches of these many streams, on and off (e.g. 4,16)")
     ap.add_argument("--calls", choices=tuple(CALLS), default="moe",
-                    help="which CPU call to turn on and off: the MoE layer call, the one-token attention call, both")
+                    help="which CPU calls to turn on and off: the MoE layer call, the one-token attention call, "
+                         "attention and dense FFN, all three")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = ap.parse_args(argv)

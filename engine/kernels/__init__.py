@@ -176,6 +176,10 @@ def _load():
                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                                        ctypes.c_void_p, ctypes.c_void_p]
         lib.sl_attn_decode.restype = ctypes.c_int
+        lib.sl_ffn_layer.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int64, ctypes.c_void_p]
+        lib.sl_ffn_layer.restype = ctypes.c_int
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
@@ -605,6 +609,53 @@ def attention_decode(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float, he
                                 None if kn is None else kn.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                 k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], table.data_ptr(),
                                 table.numel(), pos, 1.0 / math.sqrt(d), o.data_ptr(), out.data_ptr())
+    return out if rc == 0 else None
+
+
+# the dense FFN as one native call (`ffn_layer`); SLIPSTREAM_CPU_FFN_CALL=0 (or set_ffn_call) for A/B runs
+_ffn_call = os.environ.get("SLIPSTREAM_CPU_FFN_CALL", "1") != "0"
+
+
+def set_ffn_call(flag: bool) -> bool:
+    """Turn the one-call dense FFN on or off in this process (benchmarks compare both); returns the old state."""
+    global _ffn_call
+    old, _ffn_call = _ffn_call, bool(flag)
+    return old
+
+
+def ffn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float) -> torch.Tensor | None:
+    """A dense SwiGLU FFN sub-layer for a few rows on the CPU in one native call (`sl_ffn_layer`: the norm,
+    gate and up, silu times up, down and the residual add, rounded where `dense.ffn_block` rounds): x [t, H]
+    16-bit -> [t, H]. None where it does not apply, among others where the tensor path would leave a
+    matmul to PyTorch (too small a matrix, too many rows: its bits would differ)."""
+    if (not _ffn_call or not _enabled or _building.is_set() or x.dtype not in (torch.bfloat16, torch.float16)
+            or x.dim() != 2 or not x.is_cpu or not x.is_contiguous() or x.requires_grad):
+        return None
+    nw, down = w.get("ffn_norm.weight"), w.get("down.weight")
+    gu = w.get("gate_up.weight")
+    gate, up = (gu, None) if gu is not None else (w.get("gate.weight"), w.get("up.weight"))
+    if nw is None or down is None or gate is None or (gu is None and up is None):
+        return None
+    t, H = x.shape
+    inter = down.shape[1] if down.dim() == 2 else 0
+    if (down.shape != (H, inter) or gate.shape != ((2 * inter if up is None else inter), H)
+            or (up is not None and up.shape != (inter, H)) or nw.shape != (H,)
+            or nw.dtype not in (x.dtype, torch.float32) or not nw.is_cpu or not nw.is_contiguous()
+            or any(m.dtype != x.dtype or not m.is_contiguous() for m in (gate, down, *(() if up is None else (up,))))
+            or not usable(x, gate) or (up is not None and not usable(x, up))
+            or not usable(x.new_empty(t, inter), down)):
+        return None
+    lib = _lib
+    _sync_threads(lib)
+    out = torch.empty_like(x)
+    if not _busy.acquire(blocking=False):
+        return None
+    try:
+        rc = lib.sl_ffn_layer(_DTYPES[x.dtype], _DTYPES[nw.dtype], x.data_ptr(), t, H, nw.data_ptr(), float(eps),
+                              gate.data_ptr(), None if up is None else up.data_ptr(), down.data_ptr(), inter,
+                              out.data_ptr())
+    finally:
+        _busy.release()
     return out if rc == 0 else None
 
 

@@ -1524,6 +1524,37 @@ int sl_attn_decode(int dtype, int ndtype, const void *x, int64_t H, const void *
     return rc;
 }
 
+/* ---- a dense SwiGLU FFN sub-layer for a few rows on the CPU in one call ----------------------------
+ * out = x + down(silu(gate(h)) * up(h)), h = rms_norm(x) with norm_w, for t rows: gate and up stacked in one
+ * [2I, H] matrix (up NULL) or two [I, H] ones. The tensor path's steps and roundings (dense.ffn_block with
+ * the library's norm and matmuls, sl_silu_mul, the residual add rounded), in one call instead of four
+ * PyTorch ops and three library calls. Returns 0, or -1 for an unsupported dtype. */
+int sl_ffn_layer(int dtype, int ndtype, const void *x, int64_t t, int64_t H, const void *norm_w, float eps,
+                 const void *gate, const void *up, const void *down, int64_t I, void *out) {
+    if ((dtype != DT_BF16 && dtype != DT_F16) || (ndtype != dtype && ndtype != DT_F32) || t < 1 || H <= 0 || I <= 0)
+        return -1;
+    if (pool.n == 0) sl_set_threads(1, -1);
+    const size_t es = 2;
+    uint16_t *buf = malloc((size_t)t * (H + 2 * I + I + H) * es);
+    if (!buf) return -1;
+    uint16_t *h = buf, *gu = h + t * H, *act = gu + t * 2 * I, *y = act + t * I;
+    sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, t, H, 0, 0, eps);
+    if (up == NULL) {
+        linear_job j = {dtype, h, gate, NULL, gu, t, 2 * I, H, NULL};
+        run_jobs(&j, 1);
+        for (int64_t r = 0; r < t; r++) sl_silu_mul(dtype, gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
+    } else {
+        linear_job jobs[2] = {{dtype, h, gate, NULL, gu, t, I, H, NULL}, {dtype, h, up, NULL, gu + t * I, t, I, H, NULL}};
+        run_jobs(jobs, 2);
+        sl_silu_mul(dtype, gu, gu + t * I, act, t * I);
+    }
+    linear_job jd = {dtype, act, down, NULL, y, t, H, I, NULL};
+    run_jobs(&jd, 1);
+    for (int64_t i = 0; i < t * H; i++) store_elem(dtype, out, i, load_elem(dtype, x, i) + load_elem(dtype, y, i));
+    free(buf);
+    return 0;
+}
+
 /* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C (the tiles
  * of many-row bf16 matmuls: sl_amx_ready). */
 int sl_isa(void) {

@@ -154,7 +154,12 @@ def attend_one_token_batch(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
 
 
 def ffn_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """Pre-norm SwiGLU feed-forward."""
+    """Pre-norm SwiGLU feed-forward (a few rows on the CPU: one native call, `kernels.ffn_layer`, the same
+    steps and bits)."""
+    if x.device.type == "cpu":
+        y = kernels.ffn_layer(x, w, cfg.rms_norm_eps)
+        if y is not None:
+            return y
     h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
     if "gate_up.weight" in w:
         gate, up = linear(h, w["gate_up.weight"]).chunk(2, dim=-1)

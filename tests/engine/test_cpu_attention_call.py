@@ -64,3 +64,27 @@ def test_the_attention_call_declines_what_it_does_not_cover(tiny_model, monkeypa
     x = torch.zeros(1, 8)
     assert real(x, {}, 1e-6, 1, 1, x[0], x[0], torch.zeros(1, 16, 1, 8), torch.zeros(1, 16, 1, 8),
                 torch.zeros(1, dtype=torch.int64), 0) is None                       # float32
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_generation_through_the_ffn_call_matches_the_tensor_path(tiny_model, dtype, monkeypatch):
+    """The dense FFN as one native call (`kernels.ffn_layer`: norm, gate and up, silu times up, down, the
+    residual add) gives the tensor path's logits at every step, the prompt's rows included."""
+    monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(kernels, "MIN_WEIGHTS_16BIT", 0)
+    monkeypatch.setenv("SLIPSTREAM_CPU_ATTENTION_CALL", "0")      # (the FFN call alone)
+    calls = []
+    real = kernels.ffn_layer
+    monkeypatch.setattr(kernels, "ffn_layer", lambda *a, **k: calls.append(real(*a, **k)) or calls[-1])
+    path = tiny_model("llama3")
+    tokens, steps, layers, _ = decode_logged(path, dtype, "a b c", 12)
+    assert sum(c is not None for c in calls) == layers * len(steps)       # every step's FFNs, the prompt's too
+    old = kernels.set_ffn_call(False)
+    try:
+        calls.clear()
+        tokens_off, steps_off, _, _ = decode_logged(path, dtype, "a b c", 12)
+    finally:
+        kernels.set_ffn_call(old)
+    assert not any(c is not None for c in calls)
+    assert tokens == tokens_off and all(torch.equal(a, b) for a, b in zip(steps, steps_off))
