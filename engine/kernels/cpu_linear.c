@@ -1301,9 +1301,8 @@ int sl_moe_route(int rdtype, const void *logits, int64_t rows, int64_t E, int64_
 /* out[j] = silu(gate[j]) * up[j] for 16-bit gate and up, as PyTorch's F.silu(gate) * up computes it: silu
  * as x / (1 + exp(-x)) in float32 rounded to the dtype, then the product (exact in float32) rounded. exp is
  * the correctly rounded float32 value (exp_neg8 in 16-lane steps, the C library's expf in the tail). The
- * same results as PyTorch's for every finite 16-bit gate, both paths (a test runs them all). 16 lanes at a
- * time take about a sixth of the scalar loop's time (a Qwen3-30B-A3B layer's 6,144 values: 11 against 68 us
- * here), inside a decode step's serial part. */
+ * same results as PyTorch's for every finite 16-bit gate, both paths (a test runs them all). It runs in a
+ * decode step's serial part, so the 16-lane path matters (engine.bench.moe_layer_cpu times it). */
 #if defined(__AVX512F__)
 /* exp(-x) of 8 floats, rounded once to float32 from a double-precision evaluation: the correctly rounded
  * value, as the C library's expf gives it (argument reduction by ln 2 in two parts, then the Taylor series
