@@ -13,19 +13,27 @@ from pathlib import Path
 
 def open_shape(shape: str, budget, device: str = "cuda", seed: int = 0, n_ctx: int | None = None,
                layers: int = 0):
-    """A TorchEngine over random weights of a named shape (weights do not change speed); `layers`: keep
-    only the first that many layers (0: all)."""
+    """A TorchEngine over random weights of a named shape (or a dry-run one, `tiny-moe`, `tiny-llama`; weights
+    do not change speed); `layers`: keep only the first that many layers (0: all). The generation's buffers
+    go back to the driver."""
     import dataclasses
 
+    import torch
+
     from engine.backends.torch_engine import TorchEngine
+    from engine.bench.scenarios import DRY_CONFIGS
     from engine.bench.shapes import get_shape
     from engine.loading.random_init import random_model
 
-    cfg = get_shape(shape)
+    cfg = DRY_CONFIGS[shape]() if shape in DRY_CONFIGS else get_shape(shape)
     if layers:
         cfg = dataclasses.replace(cfg, num_layers=layers)
     loaded = random_model(cfg, seed=seed, name=shape)
-    return TorchEngine(loaded, device=device, vram_budget=budget, n_ctx=n_ctx, speculative=False)
+    eng = TorchEngine(loaded, device=device, vram_budget=budget, n_ctx=n_ctx, speculative=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return eng
 
 
 class NvmlPoller:

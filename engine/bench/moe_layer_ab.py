@@ -26,27 +26,9 @@ import sys
 import time
 from pathlib import Path
 
-from engine.bench.gpu_common import write_report
-from engine.bench.slipstream_runs import _empty_cache, compact_plan
+from engine.bench.gpu_common import open_shape, write_report
+from engine.bench.slipstream_runs import compact_plan
 from engine.units import parse_bytes
-
-
-def open_engine(shape: str, layers: int, budget: int, device: str):
-    """A TorchEngine over random weights (`random_std`) of a named shape (or a dry-run one, `tiny-moe`),
-    `layers` of its layers (0: all), its generation buffers given back to the driver."""
-    import dataclasses
-
-    from engine.backends.torch_engine import TorchEngine
-    from engine.bench.scenarios import DRY_CONFIGS
-    from engine.bench.shapes import get_shape
-    from engine.loading.random_init import random_model
-
-    cfg = DRY_CONFIGS[shape]() if shape in DRY_CONFIGS else get_shape(shape)
-    if layers:
-        cfg = dataclasses.replace(cfg, num_layers=layers)
-    eng = TorchEngine(random_model(cfg, seed=0, name=shape), device=device, vram_budget=budget, speculative=False)
-    _empty_cache()
-    return eng
 
 
 def decode_tps(eng, prompt: str, n: int, temperature: float, seed: int) -> tuple[float, list[int]]:
@@ -144,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     budgets = [b for b in args.budgets.split(",") if b]
     t0 = time.perf_counter()
-    eng = open_engine(args.shape, args.layers, parse_bytes(budgets[0]), args.device)
+    eng = open_shape(args.shape, parse_bytes(budgets[0]), device=args.device, layers=args.layers)
     opened = time.perf_counter() - t0
     rng = random.Random(0)
     rows = []

@@ -303,13 +303,18 @@ def tiles() -> bool:
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, min_weights: int | None = None, rows: int | None = None) -> bool:
+    return (x.device.type == "cpu" and x.dtype == w.dtype and x.shape[-1] == w.shape[-1]
+            and _takes(x.numel() // max(w.shape[-1], 1), w, min_weights, rows))
+
+
+def _takes(n_rows: int, w: torch.Tensor, min_weights: int | None = None, rows: int | None = None) -> bool:
+    """Whether `linear` takes `n_rows` rows (of w's dtype and width, on the CPU) times w natively."""
     if min_weights is None:
         min_weights = MIN_WEIGHTS if w.dtype == torch.float32 else MIN_WEIGHTS_16BIT
     if _building.is_set():
         return False
-    return (_enabled and x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == w.dtype and x.dtype in _DTYPES
-            and w.dim() == 2 and x.shape[-1] == w.shape[1]
-            and 0 < x.numel() // max(w.shape[1], 1) <= (max_rows(w.dtype) if rows is None else rows)
+    return (_enabled and w.device.type == "cpu" and w.dtype in _DTYPES and w.dim() == 2
+            and 0 < n_rows <= (max_rows(w.dtype) if rows is None else rows)
             and w.numel() >= min_weights
             and _load() is not None)
 
@@ -585,7 +590,7 @@ def attention_decode(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float, he
     d = k_pool.shape[-1] if k_pool.dim() == 4 else 0
     if (qkv is None or o is None or nw is None or not d or (qn is None) != (kn is None) or not x.is_contiguous()
             or qkv.shape != ((heads + 2 * kv_heads) * d, H) or o.shape != (H, heads * d)
-            or not usable(x, qkv) or not usable(x.new_empty(1, heads * d), o)
+            or not usable(x, qkv) or o.dtype != dtype or not _takes(1, o)
             or not qkv.is_contiguous() or not o.is_contiguous() or nw.shape != (H,) or not nw.is_contiguous()
             or nw.dtype not in (dtype, torch.float32) or nw.device.type != "cpu"
             or (bias is not None and (bias.dtype != dtype or bias.shape != (qkv.shape[0],) or not bias.is_cpu))
@@ -643,7 +648,7 @@ def ffn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float) -> torch.
             or nw.dtype not in (x.dtype, torch.float32) or not nw.is_cpu or not nw.is_contiguous()
             or any(m.dtype != x.dtype or not m.is_contiguous() for m in (gate, down, *(() if up is None else (up,))))
             or not usable(x, gate) or (up is not None and not usable(x, up))
-            or not usable(x.new_empty(t, inter), down)):
+            or not _takes(t, down)):
         return None
     lib = _lib
     _sync_threads(lib)
