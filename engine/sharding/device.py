@@ -51,6 +51,25 @@ def process_vram_bytes(index: int = 0) -> int | None:
     return None
 
 
+def _outside_allocator(device: torch.device, reads: int = 5) -> int | None:
+    """NVML's figure for this process less the allocator's reserved segments. Another thread (a copy, a
+    plan refinement) can reserve or free a segment between the two figures, and a single read would count
+    that segment as overhead: a read counts only where the reserved bytes were the same before and after
+    NVML's; where they moved at every try, the larger of the two is taken off (an under-count, which
+    `refresh_overhead` ignores: it never lowers the overhead)."""
+    seen = None
+    for _ in range(reads):
+        before = torch.cuda.memory_reserved(device)
+        nvml = process_vram_bytes(device.index or 0)
+        after = torch.cuda.memory_reserved(device)
+        if nvml is None:
+            return None
+        if before == after:
+            return max(0, nvml - after)
+        seen = max(0, nvml - max(before, after)) if seen is None else min(seen, nvml - max(before, after))
+    return max(0, seen)
+
+
 def _measure_overhead(device: torch.device) -> tuple[int, str]:
     """Bytes this process holds on the GPU outside its own allocations, after the CUDA context is up and
     cuBLAS has made its workspace; and how that figure was found."""
@@ -63,10 +82,10 @@ def _measure_overhead(device: torch.device) -> tuple[int, str]:
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     workspace = max(0, torch.cuda.memory_reserved(device) - before)
-    nvml = process_vram_bytes(device.index or 0)
-    if nvml is None:
+    seen = _outside_allocator(device)
+    if seen is None:
         return CONTEXT_FALLBACK + workspace, "estimate (NVML has no per-process figure)"
-    return max(0, nvml - torch.cuda.memory_reserved(device)) + workspace, "measured with NVML"
+    return seen + workspace, "measured with NVML"
 
 
 HOST_ALIGN = 256          # host buffers and the tensors packed in them start at multiples of this
@@ -199,9 +218,9 @@ class Accelerator:
         batched decode than at start on the H200). Called at each budget change; never lowers it."""
         if self.kind != "cuda" or os.environ.get("SLIPSTREAM_VRAM_OVERHEAD") is not None:
             return
-        nvml = process_vram_bytes(self.device.index or 0)
-        if nvml is not None:
-            self.overhead = max(self.overhead, nvml - torch.cuda.memory_reserved(self.device))
+        seen = _outside_allocator(self.device)
+        if seen is not None:
+            self.overhead = max(self.overhead, seen)
 
     def lazy_room(self) -> int:
         """Bytes the allocator's cap keeps free for kernels still to load: LAZY_KERNEL_ROOM less what the

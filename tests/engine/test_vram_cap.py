@@ -57,6 +57,21 @@ def test_overhead_follows_what_nvml_shows_beyond_the_allocator(monkeypatch):
     assert accel.overhead == high            # never lowered
 
 
+def test_a_segment_moving_between_the_two_figures_is_not_counted_as_overhead(monkeypatch):
+    """Another thread frees a 400 MiB segment between NVML's read and the allocator's, or reserves one
+    between the allocator's read and NVML's: the overhead read stays the 500 MiB held outside."""
+    from engine.sharding import device as dev
+
+    for reserved, nvml in (([1000, 600, 600, 600], [1500, 1100]),                  # freed after NVML's read
+                           ([600, 1000, 1000, 1000], [1500, 1500]),                 # reserved before it
+                           ([600, 700, 700, 800, 800, 900, 900, 1000, 1000, 1100],  # moving at every read
+                            [1200, 1300, 1400, 1500, 1600])):
+        r, n = iter(x * MiB for x in reserved), iter(x * MiB for x in nvml)
+        monkeypatch.setattr(dev.torch.cuda, "memory_reserved", lambda _d=None, r=r: next(r))
+        monkeypatch.setattr(dev, "process_vram_bytes", lambda _i=0, n=n: next(n))
+        assert dev._outside_allocator(torch.device("cuda", 0)) == 500 * MiB
+
+
 def test_weights_of_an_8b_model_pack_into_few_pinned_chunks():
     """The Llama-3-8B shape's sub-layer buffers (embedding, head, 32 attention and 32 FFN blocks) pinned
     one block each would round up to 22 GB; packed into power-of-two chunks they cost under 1.05x."""
