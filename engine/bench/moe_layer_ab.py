@@ -5,6 +5,8 @@ in one engine, at each budget: tokens/s per run, and whether greedy decoding gav
     python -m engine.bench.moe_layer_ab --layers 24 --budgets 4GiB,2GiB,8GiB --out DIR   # the GPU machine
     python -m engine.bench.moe_layer_ab --layers 2 --device sim --budgets 8GiB --out DIR  # a dry run
     python -m engine.bench.moe_layer_ab --shape llama3-8b --layers 0 --calls dense --budgets 4GiB --out DIR
+    ... --n-ctx suite --long-prompt 4096    the suite's context, and its longest prompt first at each budget
+                                            (the cached prompt's KV counts in the plans, as in the suite)
 
 The Qwen3-30B-A3B shape (`--shape`) at full width with `--layers` layers (random bf16 weights, `random_std`), one
 engine whose budget moves with `set_vram_budget`, as the suite runs it. Per budget: one warm-up each way,
@@ -27,7 +29,7 @@ import time
 from pathlib import Path
 
 from engine.bench.gpu_common import open_shape, write_report
-from engine.bench.slipstream_runs import compact_plan
+from engine.bench.slipstream_runs import compact_plan, suite_n_ctx
 from engine.units import parse_bytes
 
 
@@ -76,19 +78,21 @@ def batch_rates(eng, batches: list[int], tokens: int, calls: str = "moe") -> dic
 
 
 def run_budget(eng, budget: str, reps: int, tokens: int, prompt_len: int, rng: random.Random,
-               calls: str = "moe") -> dict:
+               calls: str = "moe", long_prompt: int = 0) -> dict:
     eng.set_vram_budget(parse_bytes(budget))
     ex = eng.executor
-    tier1 = next((t for t in compact_plan(eng.plan_report())["tiers"] if t.get("tokens") == 1), {})
-    row = {"budget": budget, "decode_plan": {k: tier1.get(k) for k in ("plan", "predicted_ms", "by_kind")},
-           "on_tps": [], "off_tps": []}
+    row = {"budget": budget, "on_tps": [], "off_tps": []}
 
-    def prompt() -> str:
-        return "".join(chr(rng.randint(33, 126)) for _ in range(prompt_len))
+    def prompt(n: int = prompt_len) -> str:
+        return "".join(chr(rng.randint(33, 126)) for _ in range(n))
 
+    if long_prompt:     # as the suite, whose prompts' blocks stay in the prefix cache and count in the plan
+        decode_tps(eng, prompt(long_prompt), 1, 1.0, 0)
     for flag in (True, False):                        # warm-up, both ways
         _set(ex, flag, calls)
         decode_tps(eng, prompt(), 8, 1.0, 0)
+    tier1 = next((t for t in compact_plan(eng.plan_report())["tiers"] if t.get("tokens") == 1), {})
+    row["decode_plan"] = {k: tier1.get(k) for k in ("plan", "predicted_ms", "by_kind")}
     for r in range(reps):
         for flag in ((True, False) if r % 2 == 0 else (False, True)):
             _set(ex, flag, calls)
@@ -121,18 +125,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", choices=tuple(CALLS), default="moe",
                     help="which CPU calls to turn on and off: the MoE layer call, the one-token attention call, "
                          "attention and dense FFN, all three")
+    ap.add_argument("--n-ctx", default="", help="the engine's context length (default: the engine's own; "
+                    "'suite': the suite's, whose KV reservation changes the plans at a budget)")
+    ap.add_argument("--long-prompt", type=int, default=0,
+                    help="first, at each budget, one prompt of this many bytes (the suite's 4096: its KV stays "
+                         "cached and the plans count it)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     args = ap.parse_args(argv)
     budgets = [b for b in args.budgets.split(",") if b]
     t0 = time.perf_counter()
-    eng = open_shape(args.shape, parse_bytes(budgets[0]), device=args.device, layers=args.layers)
+    n_ctx = suite_n_ctx() if args.n_ctx == "suite" else (int(args.n_ctx) if args.n_ctx else None)
+    eng = open_shape(args.shape, parse_bytes(budgets[0]), device=args.device, layers=args.layers, n_ctx=n_ctx)
     opened = time.perf_counter() - t0
     rng = random.Random(0)
     rows = []
     try:
         for b in budgets:
-            rows.append(run_budget(eng, b, args.reps, args.tokens, args.prompt, rng, args.calls))
+            rows.append(run_budget(eng, b, args.reps, args.tokens, args.prompt, rng, args.calls, args.long_prompt))
             r = rows[-1]
             if args.batches:
                 r["batches"] = batch_rates(eng, [int(n) for n in args.batches.split(",")], args.tokens, args.calls)
@@ -149,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['greedy_same_tokens']} | {r['decode_plan'].get('predicted_ms') or 0:.1f} |")
     name = "moe_layer_ab" + (f"_{args.tag}" if args.tag else "")
     path = write_report(args.out, name, {"device": args.device, "shape": args.shape, "calls": args.calls,
-                                         "layers": args.layers, "open_seconds": round(opened, 1),
+                                         "layers": args.layers, "n_ctx": eng.context_length,
+                                         "long_prompt": args.long_prompt, "open_seconds": round(opened, 1),
                                          "reps": args.reps, "tokens": args.tokens, "rows": rows},
                         "python -m engine.bench.moe_layer_ab " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"wrote {path}")

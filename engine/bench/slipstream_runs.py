@@ -159,12 +159,17 @@ def unsupported_rows(scenario, budgets, reason: str) -> list[dict]:
             for name, b in budgets]
 
 
+def suite_n_ctx() -> int:
+    """The context an engine of the suite opens with: the longest prompt, the decode run's, and a margin."""
+    return max(PROMPTS) + DECODE_TOKENS + DECODE_PROMPT + 64
+
+
 def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int, command: str,
                  deadline, say=print) -> None:
     todo = [(n, b) for n, b in budgets if not part.has(f"slipstream|{scenario.model}|{n}||")]
     if not todo:
         return
-    n_ctx = max(PROMPTS) + DECODE_TOKENS + DECODE_PROMPT + 64
+    n_ctx = suite_n_ctx()
     t0 = time.perf_counter()
     try:
         eng = open_engine(scenario, todo[0][1], device, n_ctx)
