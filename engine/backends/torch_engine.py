@@ -163,6 +163,7 @@ class TorchEngine(Engine):
         self._oom_retries = OOM_RETRIES
         self._budget_lock = threading.Lock()
         self._refining = False                    # a thread prices the plans of a cut KV capacity
+        self.refines = {"count": 0, "seconds": 0.0}   # (its runs: on the host beside the steps)
         self.replans: list[dict] = []             # history of re-plans (time, budget, reason, ms)
         self.speculative = speculative            # None: greedy decoding speculates where measured to pay
         self.spec_stats = {"proposed": 0, "accepted": 0}
@@ -268,6 +269,7 @@ class TorchEngine(Engine):
             self._refining = True
 
         def run() -> None:
+            t0 = time.perf_counter()
             try:
                 while self.executor is not None:
                     kv = self.kv_tokens
@@ -277,6 +279,8 @@ class TorchEngine(Engine):
             finally:
                 with self._budget_lock:
                     self._refining = False
+                    self.refines["count"] += 1
+                    self.refines["seconds"] += time.perf_counter() - t0
             if self.executor is not None:
                 self._post_budget(None, f"plans for {self.kv_tokens} KV tokens priced")
 
@@ -387,7 +391,8 @@ class TorchEngine(Engine):
                  spec_tokens_per_verify=self._spec_timing["gain"],
                  prefix_hit_tokens=kv.prefix_stats["hit_tokens"],
                  prefix_hit_rate=kv.prefix_stats["hit_tokens"] / max(kv.prefix_stats["prompt_tokens"], 1),
-                 last_replan_ms=self.replans[-1]["replan_ms"] if self.replans else None)
+                 last_replan_ms=self.replans[-1]["replan_ms"] if self.replans else None,
+                 plan_refines=self.refines["count"], plan_refine_s=round(self.refines["seconds"], 3))
         s.update(kv.host_report())
         if self.executor.graphs is not None:
             s.update(self.executor.graphs.stats())

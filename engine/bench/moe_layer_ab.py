@@ -105,6 +105,7 @@ def run_budget(eng, budget: str, reps: int, tokens: int, prompt_len: int, rng: r
         ex.kv.forget_cached()        # (else the second run reuses the first's prompt blocks: other steps, other bits)
         greedy[flag] = decode_tps(eng, same, tokens, 0.0, 0)[1]
     _set(ex, True, calls)
+    row["plan_refines"], row["plan_refine_s"] = eng.refines["count"], round(eng.refines["seconds"], 2)
     row["on_median_tps"] = statistics.median(row["on_tps"])
     row["off_median_tps"] = statistics.median(row["off_tps"])
     row["speedup"] = round(row["on_median_tps"] / row["off_median_tps"], 3) if row["off_median_tps"] else None
@@ -149,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{b} batches: " + "; ".join(f"{n}: on {v['on_tps']} off {v['off_tps']} -> {v['speedup']}x"
                                                   for n, v in r["batches"].items()), flush=True)
             print(f"{b}: on {r['on_tps']} off {r['off_tps']} -> {r['speedup']}x, greedy same: "
-                  f"{r['greedy_same_tokens']}", flush=True)
+                  f"{r['greedy_same_tokens']}; plan {r['decode_plan'].get('predicted_ms') or 0:.1f} ms "
+                  f"predicted; plan tables priced in the background so far: {r['plan_refines']} "
+                  f"({r['plan_refine_s']} s)", flush=True)
     finally:
         eng.close()
     print("\n| budget | layer call on (t/s) | off (t/s) | on / off | greedy tokens equal | decode plan predicted ms |")

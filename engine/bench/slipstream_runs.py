@@ -117,6 +117,7 @@ def measure_budget(eng, budget: int, runs: int, poll: VramPoller) -> dict:
     _empty_cache()
     poll.samples.clear()
     t0 = time.perf_counter()
+    refines0 = dict(getattr(eng, "refines", {}))
     salt = f"b{budget}"
     for n in PROMPTS:                                    # warm-up at each length
         prefill_tps(eng, n, 25, salt)
@@ -139,6 +140,9 @@ def measure_budget(eng, budget: int, runs: int, poll: VramPoller) -> dict:
             out[f"decode_batch{b}_tps"] = r["decode_aggregate_tokens_per_s"]
             out[f"decode_batch{b}_wall_tps"] = r["aggregate_tokens_per_s"]
     out["seconds"] = round(time.perf_counter() - t0, 1)
+    if refines0:     # plan tables priced by the engine's background thread meanwhile (host work beside the steps)
+        out["plan_refines"] = eng.refines["count"] - refines0["count"]
+        out["plan_refine_s"] = round(eng.refines["seconds"] - refines0["seconds"], 2)
     return out
 
 
@@ -198,6 +202,7 @@ def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int
                        **{k: m[k] for k in m if k.endswith("_tps")},
                        "decode_copied_bytes_per_token": m.get("decode_copied_bytes_per_token"),
                        "decode_tps_runs": m.get("decode_tps_runs"),
+                       "plan_refines": m.get("plan_refines"), "plan_refine_s": m.get("plan_refine_s"),
                        "prefill_prefix_hit_tokens": m.get("prefill_prefix_hit_tokens"),
                        "cuda_graphs": {k: v for k, v in eng.stats().items() if k.startswith("cuda_graph")},
                        "decode_batch_note": f"{BATCH_NEW_TOKENS} new tokens per stream after a {DECODE_PROMPT}-token "
