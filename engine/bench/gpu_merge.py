@@ -388,8 +388,11 @@ def related_table(rows: list[dict]) -> str:
 def _weights_note(parts: dict[str, dict]) -> str:
     """Which parts' MoE rows ran on the weights whose routing spreads (their meta says `weights`), and which
     predate them."""
-    old = sorted(n for n, p in parts.items() if "weights" not in p.get("meta", {})
-                 and any(r.get("model") == "qwen3-30b-a3b" for r in p.get("rows", [])))
+    old = {}
+    for n, p in parts.items():
+        for r in p.get("rows", []):
+            if r.get("model") == "qwen3-30b-a3b" and (r.get("weights") or p.get("meta", {}).get("weights")) is None:
+                old.setdefault(n, []).append(r.get("budget"))
     note = ("MoE weights: a wide embedding and narrow residual writes (engine.loading.random_init.random_std), the "
             "same in the GGUF llama.cpp reads, so each layer routes the tokens over all 128 experts as a trained "
             "model does. With every matrix at the same small scale the routing collapsed onto a few experts by the "
@@ -397,7 +400,7 @@ def _weights_note(parts: dict[str, dict]) -> str:
             "weights.")
     if old:
         note += (" Measured before that change, so flattered in prefill and batches: the qwen3-30b-a3b rows of "
-                 + ", ".join(old) + ".")
+                 + ", ".join(f"{n} ({', '.join(b for b in budgets if b)})" for n, budgets in sorted(old.items())) + ".")
     return note
 
 

@@ -9,7 +9,8 @@ A device call often runs one shape or a few budgets of a part again, while the m
 those that match the selection (`--models`, `--budgets`: every row of the source file that matches
 replaces a row of the same system, model and budget, and adds it where there was none), plus a note per new
 row (`call`). The result keeps the target's meta and extends its lists of commands and lease probes with the
-source's; `weights` is taken from the source when both parts ran the same weights or the target had none.
+source's. The meta's `weights` stays where every row ran the same weights; else each row names its own
+(none where the target's rows predate the record).
 `--archive TAG` first copies the target beside itself as part-<name>-TAG.json (the merge reads only the
 newest file of a part, so archived copies stay out of the results).
 """
@@ -35,18 +36,29 @@ def replace_rows(target: dict, source: dict, models: set[str] | None, budgets: s
     def chosen(r: dict) -> bool:
         return (models is None or r.get("model") in models) and (budgets is None or r.get("budget") in budgets)
 
-    new = [dict(r, call=note) if note else dict(r) for r in source.get("rows", []) if chosen(r) and not r.get("pending")]
-    keys = {row_key(r) for r in new}
-    kept = [r for r in target.get("rows", []) if row_key(r) not in keys]
-    replaced = len(target.get("rows", [])) - len(kept)
-    out = dict(target)
-    out["rows"] = kept + new
     meta = dict(target.get("meta", {}))
     smeta = source.get("meta", {})
+    new = [dict(r, call=note) if note else dict(r) for r in source.get("rows", []) if chosen(r) and not r.get("pending")]
+    keys = {row_key(r) for r in new}
+    kept = [dict(r) for r in target.get("rows", []) if row_key(r) not in keys]
+    replaced = len(target.get("rows", [])) - len(kept)
+    # The weights each row ran (a part's meta names them for all its rows): where the kept and the new rows
+    # ran different ones (or the target's are not recorded), each row names its own and the meta none
+    for rows, w in ((kept, meta.get("weights")), (new, smeta.get("weights"))):
+        for r in rows:
+            if w is not None and "weights" not in r:
+                r["weights"] = w
+    ran = {r.get("weights") for r in kept + new}
+    if len(ran) == 1 and None not in ran:
+        meta["weights"] = ran.pop()
+        for r in kept + new:
+            r.pop("weights", None)
+    else:
+        meta.pop("weights", None)
+    out = dict(target)
+    out["rows"] = kept + new
     for key in ("commands", "lease_probes"):
         meta[key] = list(meta.get(key, [])) + [x for x in smeta.get(key, []) if x not in meta.get(key, [])]
-    if "weights" in smeta and meta.get("weights", smeta["weights"]) == smeta["weights"]:
-        meta["weights"] = smeta["weights"]
     meta.setdefault("assembled", [])
     if isinstance(meta["assembled"], str):
         meta["assembled"] = [meta["assembled"]]

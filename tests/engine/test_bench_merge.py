@@ -213,12 +213,12 @@ def test_a_vl_run_cut_short_by_the_calls_end_is_left_for_a_later_call(tmp_path, 
 def test_weights_note_names_the_parts_whose_moe_rows_predate_the_spreading_weights():
     from engine.bench.gpu_merge import _weights_note
 
-    moe_row = {"model": "qwen3-30b-a3b", "system": "x"}
+    moe_row = {"model": "qwen3-30b-a3b", "system": "x", "budget": "4GiB"}
     parts = {"slipstream": {"meta": {"weights": "random_std"}, "rows": [moe_row]},
              "llamacpp": {"meta": {"weights": "random_std"}, "rows": [moe_row]},
              "accelerate": {"meta": {}, "rows": [moe_row]},
              "corun": {"meta": {}, "rows": [{"model": "llama3-8b"}]}}
     note = _weights_note(parts)
-    assert note.endswith("the qwen3-30b-a3b rows of accelerate.")
+    assert note.endswith("the qwen3-30b-a3b rows of accelerate (4GiB).")
     del parts["accelerate"]
     assert "Measured before" not in _weights_note(parts)

@@ -54,3 +54,27 @@ def test_budgets_narrow_the_selection_and_other_parts_are_refused(tmp_path):
     before = into.read_text()
     assert part_replace.main(["--into", str(into), "--source", str(src)]) == 2
     assert into.read_text() == before
+
+
+def test_rows_of_other_weights_keep_their_own_record(tmp_path):
+    """A target whose rows predate the weights record takes a call's rows of recorded weights for some
+    budgets: the new rows name their weights, the old ones none, and the merge's note names only the old."""
+    from engine.bench.gpu_merge import _weights_note
+
+    into = tmp_path / "part-accelerate.json"
+    into.write_text(json.dumps(_part([_row("qwen3-30b-a3b", b, 0.2) for b in ("2GiB", "4GiB", "8GiB")], "a", [])))
+    src = tmp_path / "new.json"
+    src.write_text(json.dumps(_part([_row("qwen3-30b-a3b", b, 0.1) for b in ("2GiB", "4GiB")], "b", [],
+                                    "random_std")))
+    assert part_replace.main(["--into", str(into), "--source", str(src)]) == 0
+    out = json.loads(into.read_text())
+    assert "weights" not in out["meta"]
+    assert {r["budget"]: r.get("weights") for r in out["rows"]} == {"2GiB": "random_std", "4GiB": "random_std",
+                                                                      "8GiB": None}
+    assert _weights_note({"accelerate": out}).endswith("the qwen3-30b-a3b rows of accelerate (8GiB).")
+    # the last old row replaced: one record again, in the meta
+    src.write_text(json.dumps(_part([_row("qwen3-30b-a3b", "8GiB", 0.1)], "c", [], "random_std")))
+    assert part_replace.main(["--into", str(into), "--source", str(src)]) == 0
+    out = json.loads(into.read_text())
+    assert out["meta"]["weights"] == "random_std" and all("weights" not in r for r in out["rows"])
+    assert "Measured before" not in _weights_note({"accelerate": out})
