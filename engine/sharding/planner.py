@@ -105,10 +105,11 @@ class Family:
         routers = [idx[f"layers.{j}.ffn"] if cfg.is_moe_layer(j) else None for j in range(L)]
         head, embed = idx["head"], idx["embed"]
         groups = {j: [i for i, s in enumerate(subs) if s.name.startswith(f"layers.{j}.experts.")] for j in range(L)}
+        layer_ends = tuple(np.cumsum([len(groups[j]) or 1 for j in range(L)]).tolist())   # (units: groups or an FFN)
         blocks, ks = [], []
         for k in attention_choices(L):
             order = attn[:k] + ffn
-            r_values = range(len(order) + 1) if not cfg.is_moe else _resident_counts(k, len(ffn))
+            r_values = range(len(order) + 1) if not cfg.is_moe else _resident_counts(k, len(ffn), layer_ends)
             for r in r_values:
                 base = np.full(len(subs), CPU, dtype=np.int8)
                 base[attn[:k]] = STR
@@ -194,10 +195,11 @@ def _ladder(n: int) -> list[int]:
     return sorted(out)
 
 
-def _resident_counts(k: int, n_units: int) -> list[int]:
+def _resident_counts(k: int, n_units: int, whole: tuple[int, ...] = ()) -> list[int]:
     """Resident prefix lengths tried for a MoE model with k GPU attention layers: a ladder over the
-    attention layers, then k plus a ladder over the units."""
-    return _ladder(k)[:-1] + [k + u for u in _ladder(n_units)]
+    attention layers, then k plus a ladder over the units and every prefix of whole layers (`whole`: the
+    unit counts at layer ends; a layer partly in VRAM runs the slow general path in small steps)."""
+    return _ladder(k)[:-1] + [k + u for u in sorted(set(_ladder(n_units)) | set(whole))]
 
 
 def _round_significant(x: np.ndarray, digits: int) -> np.ndarray:
@@ -284,6 +286,7 @@ class Planner:
                 np.stack([pipe.run(c, est.rho) for c in costs], 1)
                 for pipe in (est.pipeline(fam.place[a:a + step], self.n_slots)
                              for a in range(0, len(fam.place), step))])
+            ms += np.stack([est.mixed_layer_ms(fam.place, t) for t in self.tiers], 1)
             ms = _round_significant(ms, 12)   # equal schedules compare equal despite rounding noise
             self._tables[kv_tokens] = (vram, ms)
         return self._tables[kv_tokens]

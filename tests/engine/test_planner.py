@@ -289,6 +289,43 @@ def test_batched_decode_tiers_keep_the_resident_experts_of_the_one_token_plan():
             assert one <= {n for n, p in plan.placement.items() if p is Placement.RESIDENT}, (budget, tier)
 
 
+def test_small_step_plans_keep_moe_layers_whole_in_vram():
+    """A MoE layer partly in VRAM runs neither one-call path in a step of a few tokens (session 15, call PP:
+    at 8 GiB the Qwen3-30B-A3B decode plan kept 37 expert groups resident, four whole layers and 5 of the
+    next layer's 8 groups, and decoded slower than the 4 GiB plan with one whole layer). On the H200
+    profile, the plans of those tiers keep whole layers: a resident prefix ends at a layer's end; prompt
+    tiers may still split one."""
+    import dataclasses
+    from pathlib import Path
+
+    from engine.bench.shapes import get_shape
+    from engine.commands.plan import profile_from_file
+    from engine.sharding.estimator import PARTIAL_MOE_LAYER_MS, Estimator
+
+    prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
+    spec = ModelSpec.from_config(dataclasses.replace(get_shape("qwen3-30b-a3b"), num_layers=24))
+    est = Estimator(spec, prof)
+    planner = Planner(spec, prof)
+    for budget in (3 << 30, 4 << 30, 6 << 30, 8 << 30, 12 << 30):
+        ps = planner.plan(budget, kv_tokens=4096)
+        for tier in (1, 4, 16):
+            plan = ps.for_tokens(tier)
+            codes = est.encode(plan.placement)[None, :]
+            assert est.partial_moe_layers(codes)[0] == 0, (budget, tier)
+            resident = sum(p is Placement.RESIDENT for n, p in plan.placement.items() if ".experts." in n)
+            assert resident % 8 == 0, (budget, tier, resident)
+    # the price: one layer with 5 of its 8 groups in VRAM, in steps of 1 and 16 tokens, not of 64
+    place = {s.name: Placement.CPU for s in spec.sublayers}
+    place.update({f"layers.0.experts.{g}": Placement.RESIDENT for g in range(5)})
+    whole = dict(place, **{f"layers.0.experts.{g}": Placement.CPU for g in range(5)})
+    codes = est.encode(place)[None, :]
+    assert est.partial_moe_layers(codes)[0] == 1
+    assert est.partial_moe_layers(est.encode(whole)[None, :])[0] == 0
+    for n, extra in ((1, PARTIAL_MOE_LAYER_MS), (16, PARTIAL_MOE_LAYER_MS), (64, 0.0)):
+        bare = est.pipeline(codes, 2).run(est.costs(n, 512), est.rho)[0]
+        assert est.estimate(place, n, 512) == pytest.approx(bare + extra)
+
+
 def test_prompt_tiers_mix_cpu_and_streamed_expert_groups_once_their_launches_are_few():
     """A GPU expert group in a step of many tokens runs in padded runs (`moe.experts_padded`: a dozen
     launches per run and two per routed expert, against seven per routed expert), and the estimator
