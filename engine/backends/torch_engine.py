@@ -208,6 +208,25 @@ class TorchEngine(Engine):
     def _kv_capacity(self, tokens: int) -> int:
         return min(-(-tokens // BLOCK_SIZE) * BLOCK_SIZE, -(-self.max_kv_tokens // BLOCK_SIZE) * BLOCK_SIZE)
 
+    def _fit_kv_to_request(self, tokens: int) -> None:
+        """At a request's start: a KV capacity grown for an earlier, longer context (its blocks stay cached
+        for a prompt that shares them) is cut back to twice what the running sequences and this request's
+        `tokens` need, rounded up to a power of two and at least INITIAL_KV_TOKENS, where that is less.
+        The plan in force booked VRAM for that capacity's cache on the GPU attention layers; the re-plan
+        gives it to weights (Llama-3-8B at 4 GiB after a 4096-token prompt: 114.7 ms predicted per token
+        against 111.8 at the initial capacity). Cached blocks past the cut go to the host-RAM tier and come
+        back by copy when a prompt wants them. A conversation that grows keeps its capacity."""
+        if self.accel is None:
+            return
+        kv = self.executor.kv
+        need = kv.blocks_in_use() + -(-tokens // BLOCK_SIZE)
+        target = self._kv_capacity(max(cut_kv_tokens(need), INITIAL_KV_TOKENS))
+        if target >= self.kv_tokens:
+            return
+        self.kv_tokens = target
+        kv.shrink(target // BLOCK_SIZE)
+        self._set_budget_now(self.budget, f"KV capacity cut to {target} tokens for a shorter request")
+
     def _ensure_kv_capacity(self, tokens: int) -> None:
         if tokens > self.kv_tokens:
             self.kv_tokens = self._kv_capacity(max(tokens, 2 * self.kv_tokens))
@@ -616,6 +635,7 @@ class TorchEngine(Engine):
         try:
             sampler = Sampler(params)
             self._retry_budget()
+            self._fit_kv_to_request(len(ids) + params.max_new_tokens)
             if vp is None:
                 # Blocks this prompt shares with an earlier one (the conversation so far) are reused,
                 # copied back from the host-RAM tier where they were moved out of VRAM.

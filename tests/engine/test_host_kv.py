@@ -503,3 +503,36 @@ def test_rows_no_token_wrote_are_zeros_after_every_growth_and_move(fp8, monkeypa
                 assert not rows.isnan().any()
                 assert (part[free] == 0).all()
         assert same(contents(kv, seq), written)
+
+
+def test_a_short_request_after_a_long_prompt_cuts_the_kv_capacity_back(tiny_model):
+    """A long prompt grows the KV capacity past INITIAL_KV_TOKENS and its blocks stay cached; the next
+    request that needs less than half of it cuts the capacity back (its plan books less KV), with the
+    tokens a fresh engine gives; the long prompt's blocks wait in host RAM and serve it again. A growing
+    conversation keeps its capacity."""
+    from engine.backends.torch_engine import INITIAL_KV_TOKENS
+
+    path = tiny_model("llama", max_position_embeddings=4096)
+    eng = open_gpu_side(path, "gpu_only")
+    ref = engine.open_model(path, device="cpu", backend="torch", speculative=False, host_kv_gib=0)
+    long_prompt = " ".join(f"w{i % 97} z{i % 13}" for i in range(400))
+    assert len(eng.encode_prompt(long_prompt)) > INITIAL_KV_TOKENS
+    want_long = greedy(ref, long_prompt, n=3)
+    assert greedy(eng, long_prompt, n=3) == want_long
+    grown, kv_grown = eng.kv_tokens, eng.accel.used["kv"]
+    assert grown > INITIAL_KV_TOKENS
+    # the conversation goes on (the long prompt, extended): no cut
+    assert greedy(eng, long_prompt + " and more", n=3) == greedy(ref, long_prompt + " and more", n=3)
+    assert eng.kv_tokens == grown
+    # a short request: the capacity and the KV booking fall back, the tokens stay a fresh engine's
+    replans = len(eng.replans)
+    assert greedy(eng, "x y z", n=12) == greedy(ref, "x y z", n=12)
+    assert eng.kv_tokens == INITIAL_KV_TOKENS and eng.accel.used["kv"] < kv_grown
+    assert len(eng.replans) > replans and "KV capacity cut" in eng.replans[-1]["reason"]
+    assert eng.stats()["host_kv_blocks"] > 0
+    # the long prompt again: its blocks come back from host RAM, the same tokens
+    hits = eng.stats()["host_kv_hits"]
+    assert greedy(eng, long_prompt, n=3) == want_long
+    assert eng.stats()["host_kv_hits"] > hits
+    eng.close()
+    ref.close()
