@@ -34,6 +34,7 @@ DEFAULT_CONTEXT = 8192
 OOM_RETRIES = 3                  # out-of-memory back-offs after which the next request tries the asked budget again
 SIM_DEFAULT_BUDGET = 1 << 40     # "sim" without a budget: a notional GPU with room for everything
 INITIAL_KV_TOKENS = 2048
+IN_FORCE = -1             # a queued re-plan for the budget in force when it runs
 KV_CUT_FLOOR_TOKENS = 64  # a budget drop cuts the KV capacity to twice the tokens in use, never below this
 SPEC_TOKENS = 6           # most tokens an n-gram proposal adds to a step
 SMALL_STEP = 16          # steps of up to this many tokens share one plan (see _plan_for_step)
@@ -338,17 +339,19 @@ class TorchEngine(Engine):
             reason, self._pending_reason = self._pending_reason, "set_vram_budget"
         if budget is None:
             return False
-        self._set_budget_now(budget, reason)
+        self._set_budget_now(self.budget if budget == IN_FORCE else budget, reason)
         return True
 
     def _post_budget(self, budget: int | None, reason: str) -> None:
-        """Queue a re-plan for `budget` (None: the budget in force, unless another is already queued) and
-        apply it now if the engine is idle, else at the next sub-layer boundary."""
+        """Queue a re-plan for `budget` (None: the budget in force when it is applied, unless another is
+        already queued) and apply it now if the engine is idle, else at the next sub-layer boundary. (The
+        budget in force is read when the re-plan runs: a plan refinement that finished while a budget drop
+        was still being applied had queued the budget from before the drop, which then came back.)"""
         with self._budget_lock:
             if budget is None:
                 if self._pending_budget is not None:
                     return
-                budget = self.budget
+                budget = IN_FORCE
             self._pending_budget, self._pending_reason = budget, reason
         if self._lock.acquire(blocking=False):   # idle: apply now, in the caller's thread
             try:
@@ -602,7 +605,7 @@ class TorchEngine(Engine):
 
         def budget_dropped() -> bool:
             pending = self._pending_budget
-            return pending is not None and self.accel.usable(pending) < self.accel.total_used
+            return pending is not None and pending != IN_FORCE and self.accel.usable(pending) < self.accel.total_used
 
         return self.vision_pass.run(pixel_values, grids, plan, budget_dropped)
 

@@ -536,3 +536,46 @@ def test_a_short_request_after_a_long_prompt_cuts_the_kv_capacity_back(tiny_mode
     assert eng.stats()["host_kv_hits"] > hits
     eng.close()
     ref.close()
+
+
+def test_a_plan_refinement_finishing_during_a_drop_does_not_bring_the_old_budget_back(tiny_model, monkeypatch):
+    """A budget drop cuts the KV capacity and a thread prices that capacity's plans, then queues a re-plan
+    for the budget in force. Where that thread finishes while the drop is still being applied, the re-plan
+    must run at the dropped budget (it had queued the budget from before the drop, which then came back
+    at the next step: the game's memory taken again)."""
+    import threading
+
+    path = tiny_model("llama")
+    eng = open_gpu_side(path, "gpu_only")
+    high = eng.budget
+    low = high * 3 // 4
+    greedy(eng, LONG_A, n=4)
+    posted = threading.Event()
+    planner = eng.planner()
+    real_has_table, real_activate = planner.has_table, eng.executor.activate
+
+    def refine():                    # (once: the thread finishes at once)
+        monkeypatch.setattr(eng, "_refine_in_background", lambda: None)
+        monkeypatch.setattr(planner, "has_table", real_has_table)
+
+        def run():
+            eng._post_budget(None, "plans priced (a thread finishing early)")
+            posted.set()
+        threading.Thread(target=run).start()
+
+    def activate(*args, **kw):       # the drop is being applied: the thread's re-plan lands meanwhile
+        posted.wait(5)
+        return real_activate(*args, **kw)
+
+    monkeypatch.setattr(eng, "_refine_in_background", refine)
+    monkeypatch.setattr(eng.executor, "activate", activate)
+    monkeypatch.setattr(planner, "has_table", lambda kv_tokens: False)   # (the cut capacity: not priced yet)
+    eng.set_vram_budget(low)
+    assert posted.is_set() and eng.budget == low
+    since = len(eng.replans) - 1
+    greedy(eng, "x y z", n=4)
+    assert eng.budget == low
+    after = eng.replans[since:]
+    assert any(r["reason"].startswith("plans priced") for r in after)
+    assert all(r["budget"] == low for r in after), after
+    eng.close()
