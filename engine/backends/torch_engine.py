@@ -215,7 +215,7 @@ class TorchEngine(Engine):
         `tokens` need, rounded up to a power of two and at least INITIAL_KV_TOKENS, where that is less.
         The plan in force booked VRAM for that capacity's cache on the GPU attention layers; the re-plan
         gives it to weights (Llama-3-8B at 4 GiB after a 4096-token prompt: 114.7 ms predicted per token
-        against 111.8 at the initial capacity). Cached blocks past the cut go to the host-RAM tier and come
+        against 111.6 at the initial capacity). Cached blocks past the cut go to the host-RAM tier and come
         back by copy when a prompt wants them. A conversation that grows keeps its capacity."""
         if self.accel is None:
             return

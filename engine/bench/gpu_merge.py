@@ -312,7 +312,8 @@ NOTES = [
     "FFNs on the CPU (-ot ffn_.*=CPU; --n-cpu-moe for MoE), each at its largest fitting configuration."),
     ("Prefill t/s: llama-bench pp512/pp4096 (with its warm-up); Slipstream prompt tokens / time to first token "
     "(median of --runs); accelerate one forward pass. Decode t/s: tg32 / 32 tokens after a 64-token prompt "
-    "(Slipstream: the median of 3 such runs from session 7 on; one before) / "
+    "(Slipstream: the median of such runs, 3 from session 7 on, 5 from after session 15's calls, one before; "
+    "each row's runs in results.json as decode_tps_runs) / "
     "4 tokens (accelerate: about 0.5 t/s, so few). llama-bench feeds random tokens; Slipstream's prompts "
     "are random printable bytes (one token each) and its decode samples at temperature 1 (from session 7; "
     "before, one repeated byte and greedy decoding), each prompt drawn afresh per length, budget and run "

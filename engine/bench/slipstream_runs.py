@@ -24,7 +24,7 @@ from engine.bench.scenarios import BATCHES, DECODE_TOKENS, PROMPTS
 from engine.bench.vram_poll import VramPoller
 
 DECODE_PROMPT = 64
-DECODE_RUNS = 3
+DECODE_RUNS = 5           # (session 15: the MoE 2 GiB row's three runs were 18.8, 18.5 and 25.9 t/s)
 BATCH_NEW_TOKENS = 32       # per stream in the batched rows (llama-batched-bench's rows decode 32 too)
 
 
