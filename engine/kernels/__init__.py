@@ -180,6 +180,10 @@ def _load():
                                      ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_void_p]
         lib.sl_ffn_layer.restype = ctypes.c_int
+        lib.sl_phase_timing.argtypes = [ctypes.c_int]
+        lib.sl_phase_timing.restype = None
+        lib.sl_phase_read.argtypes = [ctypes.c_void_p]
+        lib.sl_phase_read.restype = None
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
@@ -566,6 +570,32 @@ def moe_layer(x: torch.Tensor, norm_w: torch.Tensor, eps: float, router: torch.T
     finally:
         _busy.release()
     return out if rc == 0 else None
+
+
+ATTENTION_PHASES = ("norm", "q/k/v job", "q/k norms, RoPE, cache write", "attention", "output job, residual")
+FFN_PHASES = ("norm", "gate/up job", "silu times up", "down job, residual")
+
+
+def set_phase_timing(on: bool) -> bool:
+    """Time the phases of the attention and FFN layer calls (a clock read between phases; off by default).
+    False where the library is not loaded."""
+    lib = _load()
+    if lib is None:
+        return False
+    lib.sl_phase_timing(1 if on else 0)
+    return True
+
+
+def read_phases() -> dict | None:
+    """Seconds per phase of the attention and FFN layer calls since the last read, and the calls timed
+    (`set_phase_timing`); the sums are reset. None where the library is not loaded."""
+    lib = _load()
+    if lib is None:
+        return None
+    buf = (ctypes.c_double * 11)()
+    lib.sl_phase_read(buf)
+    return {"attention": dict(zip(ATTENTION_PHASES, buf[0:5])), "attention_calls": int(buf[5]),
+            "ffn": dict(zip(FFN_PHASES, buf[6:10])), "ffn_calls": int(buf[10])}
 
 
 def attention_decode(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float, heads: int, kv_heads: int,

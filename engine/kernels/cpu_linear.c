@@ -1471,6 +1471,34 @@ int sl_moe_layer(int dtype, int ndtype, int rdtype, const void *x, int64_t t, co
  * the bit: RoPE as x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype. The tensor
  * path spends about 36 PyTorch ops and four library calls on this. cos, sin: the position's [d] rows in the
  * dtype. Returns 0, or -1 (nothing written) for an unsupported dtype or size. */
+/* ---- phase timers of the layer calls (off unless asked: engine.bench.cpu_call_phases) -----------------
+ * Seconds spent in each phase of sl_attn_decode (0 norm, 1 q/k/v job, 2 q/k norms + RoPE + cache write,
+ * 3 attention, 4 output job + residual) and of sl_ffn_layer (0 norm, 1 gate/up job, 2 silu times up,
+ * 3 down job + residual), summed over calls since the last read. */
+#include <time.h>
+static _Atomic int phase_timing = 0;
+static double attn_phase_s[5], ffn_phase_s[4];
+static int64_t attn_phase_calls, ffn_phase_calls;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+#define PHASE(arr, i, t) do { if (timing) { double t1_ = now_s(); (arr)[i] += t1_ - (t); (t) = t1_; } } while (0)
+
+void sl_phase_timing(int on) { atomic_store(&phase_timing, on ? 1 : 0); }
+
+/* Copy out and reset: out[0..4] attention phases, out[5] attention calls, out[6..9] FFN phases, out[10]
+ * FFN calls. */
+void sl_phase_read(double *out) {
+    for (int i = 0; i < 5; i++) { out[i] = attn_phase_s[i]; attn_phase_s[i] = 0; }
+    out[5] = (double)attn_phase_calls; attn_phase_calls = 0;
+    for (int i = 0; i < 4; i++) { out[6 + i] = ffn_phase_s[i]; ffn_phase_s[i] = 0; }
+    out[10] = (double)ffn_phase_calls; ffn_phase_calls = 0;
+}
+
 int sl_attn_decode(int dtype, int ndtype, const void *x, int64_t H, const void *norm_w, float eps,
                    const void *qkv_w, const void *qkv_b, int64_t nh, int64_t nkv, int64_t d, int qndtype,
                    const void *qn_w, const void *kn_w, const void *cos, const void *sin, void *k_pool, void *v_pool,
@@ -1488,10 +1516,14 @@ int sl_attn_decode(int dtype, int ndtype, const void *x, int64_t H, const void *
     uint16_t *buf = malloc((size_t)(H + nqkv + (nq + nk) * 2 + nq + H) * es);
     if (!buf) return -1;
     uint16_t *h = buf, *qkv = h + H, *qkn = qkv + nqkv, *rq = qkn + nq + nk, *att = rq + nq + nk, *o = att + nq;
+    const int timing = atomic_load(&phase_timing);
+    double t0 = timing ? now_s() : 0;
 
     sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, 1, H, 0, 0, eps);
+    PHASE(attn_phase_s, 0, t0);
     linear_job j1 = {dtype, h, qkv_w, qkv_b, qkv, 1, nqkv, H, NULL};
     run_jobs(&j1, 1);
+    PHASE(attn_phase_s, 1, t0);
     const uint16_t *qk = qkv;
     if (qn_w) {
         sl_rms_norm(dtype, qndtype, qkv, qn_w, kn_w, qkn, nh + nkv, d, nh + nkv, nh, eps);
@@ -1509,16 +1541,20 @@ int sl_attn_decode(int dtype, int ndtype, const void *x, int64_t H, const void *
     }
     memcpy((uint16_t *)k_pool + row * nk, rq + nq, nk * es);
     memcpy((uint16_t *)v_pool + row * nk, qkv + nq + nk, nk * es);
+    PHASE(attn_phase_s, 2, t0);
     const void *qp = rq;
     void *op = att;
     const int64_t L = pos + 1;
     int rc = sl_paged_attention(dtype, 1, &qp, &op, &table, &table_len, &L, k_pool, v_pool, n_blocks, nh, nkv, d,
                                 d, d, scale);
+    PHASE(attn_phase_s, 3, t0);
     if (rc == 0) {
         linear_job j2 = {dtype, att, o_w, NULL, o, 1, H, nq, NULL};
         run_jobs(&j2, 1);
         for (int64_t i = 0; i < H; i++) store_elem(dtype, out, i, load_elem(dtype, x, i) + load_elem(dtype, o, i));
     }
+    PHASE(attn_phase_s, 4, t0);
+    if (timing) attn_phase_calls++;
     free(buf);
     return rc;
 }
@@ -1537,19 +1573,27 @@ int sl_ffn_layer(int dtype, int ndtype, const void *x, int64_t t, int64_t H, con
     uint16_t *buf = malloc((size_t)t * (H + 2 * I + I + H) * es);
     if (!buf) return -1;
     uint16_t *h = buf, *gu = h + t * H, *act = gu + t * 2 * I, *y = act + t * I;
+    const int timing = atomic_load(&phase_timing);
+    double t0 = timing ? now_s() : 0;
     sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, t, H, 0, 0, eps);
+    PHASE(ffn_phase_s, 0, t0);
     if (up == NULL) {
         linear_job j = {dtype, h, gate, NULL, gu, t, 2 * I, H, NULL};
         run_jobs(&j, 1);
+        PHASE(ffn_phase_s, 1, t0);
         for (int64_t r = 0; r < t; r++) sl_silu_mul(dtype, gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
     } else {
         linear_job jobs[2] = {{dtype, h, gate, NULL, gu, t, I, H, NULL}, {dtype, h, up, NULL, gu + t * I, t, I, H, NULL}};
         run_jobs(jobs, 2);
+        PHASE(ffn_phase_s, 1, t0);
         sl_silu_mul(dtype, gu, gu + t * I, act, t * I);
     }
+    PHASE(ffn_phase_s, 2, t0);
     linear_job jd = {dtype, act, down, NULL, y, t, H, I, NULL};
     run_jobs(&jd, 1);
     for (int64_t i = 0; i < t * H; i++) store_elem(dtype, out, i, load_elem(dtype, x, i) + load_elem(dtype, y, i));
+    PHASE(ffn_phase_s, 3, t0);
+    if (timing) ffn_phase_calls++;
     free(buf);
     return 0;
 }
