@@ -224,12 +224,15 @@ class TorchEngine(Engine):
         target = self._kv_capacity(max(cut_kv_tokens(need), INITIAL_KV_TOKENS))
         if target >= self.kv_tokens:
             return
+        if self._apply_pending_budget() and target >= self.kv_tokens:   # (a drop queued meanwhile goes
+            return                                                      # first, and may have cut it already)
         self.kv_tokens = target
         kv.shrink(target // BLOCK_SIZE)
         self._set_budget_now(self.budget, f"KV capacity cut to {target} tokens for a shorter request")
 
     def _ensure_kv_capacity(self, tokens: int) -> None:
         if tokens > self.kv_tokens:
+            self._apply_pending_budget()     # (a drop queued meanwhile first: never re-plan at the old budget)
             self.kv_tokens = self._kv_capacity(max(tokens, 2 * self.kv_tokens))
             self._set_budget_now(self.budget, f"context grew to {tokens} tokens")
 

@@ -579,3 +579,27 @@ def test_a_plan_refinement_finishing_during_a_drop_does_not_bring_the_old_budget
     assert any(r["reason"].startswith("plans priced") for r in after)
     assert all(r["budget"] == low for r in after), after
     eng.close()
+
+
+def test_a_drop_queued_before_a_request_goes_first_when_its_kv_capacity_changes(tiny_model):
+    """A budget drop queued while the engine is busy is applied before a request's KV capacity change
+    re-plans: the cut after a long prompt (and a growth) must not re-plan at the old budget first."""
+    import threading
+
+    path = tiny_model("llama", max_position_embeddings=4096)
+    eng = open_gpu_side(path, "gpu_only")
+    long_prompt = " ".join(f"w{i % 97} z{i % 13}" for i in range(400))
+    greedy(eng, long_prompt, n=2)                 # the capacity grows past INITIAL_KV_TOKENS
+    high = eng.budget
+    low = high * 3 // 4
+    with eng._lock:                               # busy: another thread's drop is queued, not applied
+        t = threading.Thread(target=eng.set_vram_budget, args=(low,))
+        t.start()
+        t.join()
+        assert eng.budget == high and eng._pending_budget == low
+        since = len(eng.replans)
+        greedy(eng, "x y z", n=4)                 # (this thread holds the reentrant lock)
+    after = eng.replans[since:]
+    assert after[0]["budget"] == low and after[0]["reason"] == "set_vram_budget", after
+    assert all(r["budget"] == low for r in after), after
+    eng.close()
