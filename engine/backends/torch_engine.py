@@ -12,6 +12,7 @@ at step boundaries.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +39,12 @@ IN_FORCE = -1             # a queued re-plan for the budget in force when it run
 KV_CUT_FLOOR_TOKENS = 64  # a budget drop cuts the KV capacity to twice the tokens in use, never below this
 SPEC_TOKENS = 6           # most tokens an n-gram proposal adds to a step
 SMALL_STEP = 16          # steps of up to this many tokens share one plan (see _plan_for_step)
+# The thread that prices a new KV capacity's plans works while no step has run for REFINE_IDLE_S, and
+# otherwise one block (a few milliseconds) per REFINE_MAX_WAIT_S; SLIPSTREAM_REFINE_YIELD=0: never waits
+# (A/B runs: engine.bench.refine_contention)
+REFINE_IDLE_S = 0.05
+REFINE_MAX_WAIT_S = 1.0
+REFINE_YIELD = os.environ.get("SLIPSTREAM_REFINE_YIELD", "1") != "0"
 SPEC_PROBE_EVERY = 16    # with speculation judged not to pay, still try a verify step this often
 SPEC_EMA = 0.2           # weight of the newest step in the measured step times
 SPEC_MAX_COST = 1.3       # speculate when a step of SPEC_TOKENS + 1 tokens is predicted under 1.3x one
@@ -164,6 +171,11 @@ class TorchEngine(Engine):
         self._oom_retries = OOM_RETRIES
         self._budget_lock = threading.Lock()
         self._refining = False                    # a thread prices the plans of a cut KV capacity
+        # Steps running now and when the last one ended: that thread prices only while no step has run
+        # for REFINE_IDLE_S (see `_refine_pause`)
+        self._steps_running = 0
+        self._last_step_end = 0.0
+        self._activity = threading.Condition()
         self.refines = {"count": 0, "seconds": 0.0}   # (its runs: on the host beside the steps)
         self.replans: list[dict] = []             # history of re-plans (time, budget, reason, ms)
         self.speculative = speculative            # None: greedy decoding speculates where measured to pay
@@ -296,7 +308,7 @@ class TorchEngine(Engine):
             try:
                 while self.executor is not None:
                     kv = self.kv_tokens
-                    self.planner().warm(kv)
+                    self.planner().warm(kv, self._refine_pause)
                     if kv == self.kv_tokens:
                         break
             finally:
@@ -308,6 +320,29 @@ class TorchEngine(Engine):
                 self._post_budget(None, f"plans for {self.kv_tokens} KV tokens priced")
 
         threading.Thread(target=run, name="slipstream-plan-refine", daemon=True).start()
+
+    def _refine_pause(self) -> None:
+        """Between blocks of the plan refinement: wait while steps run (or ran less than REFINE_IDLE_S ago,
+        as between a request's decode steps), but never more than REFINE_MAX_WAIT_S, so a busy engine still
+        gets its exact plans in the end, one block of a few milliseconds at a time. The thread holds the
+        interpreter lock while it prices; beside a decode it cost the decode's host work more than it took."""
+        if not REFINE_YIELD:
+            return
+        give_up = time.monotonic() + REFINE_MAX_WAIT_S
+        with self._activity:
+            while self.executor is not None:
+                now = time.monotonic()
+                idle_at = self._last_step_end + REFINE_IDLE_S
+                if (not self._steps_running and now >= idle_at) or now >= give_up:
+                    return
+                self._activity.wait(min(give_up, max(idle_at, now + 0.005)) - now)
+
+    def _step_activity(self, delta: int) -> None:
+        with self._activity:
+            self._steps_running += delta
+            if delta < 0:
+                self._last_step_end = time.monotonic()
+                self._activity.notify_all()
 
     def _set_budget_now(self, budget: int, reason: str) -> None:
         """Re-plan for `budget` and bring memory to the new plan (called with the engine idle or at a
@@ -440,6 +475,13 @@ class TorchEngine(Engine):
     def _step_batch(self, items: list[StepItem]) -> list[torch.Tensor]:
         """One forward step of one or more sequences under the plan of its tier (the step's total new
         tokens), re-planning on out-of-memory and retrying."""
+        self._step_activity(1)
+        try:
+            return self._step_batch_now(items)
+        finally:
+            self._step_activity(-1)
+
+    def _step_batch_now(self, items: list[StepItem]) -> list[torch.Tensor]:
         kv = self.executor.kv
         n_new = sum(len(it.ids) for it in items)
         for attempt in range(8):
@@ -782,3 +824,5 @@ class TorchEngine(Engine):
                 if self.accel is not None:
                     self.accel.close()
                 self.executor = None
+        with self._activity:         # (a plan refinement waiting for the engine to go idle ends now)
+            self._activity.notify_all()

@@ -44,6 +44,7 @@ a slower plan for a tier while the shared choices stay; budget 0 always has the 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -66,6 +67,9 @@ HKV_MIN_TIER = 16
 _UNIT_LADDER = 0.15     # MoE: relative step of the resident prefix lengths tried
 _M_STEPS_MOE = (0, 1, 2, 4, 8, 16, 32, 64, 128)   # streamed unit counts tried for MoE models
 _PIPELINE_CELLS = 1 << 22   # members x sub-layers replayed at once (~50 bytes of working memory each)
+# ... where a background thread prices a table (`warm` with a pause): smaller blocks, so that the thread
+# holds the interpreter for a few milliseconds at a time between its pauses
+_PAUSED_CELLS = 1 << 17
 
 
 def token_tiers(limit: int) -> tuple[int, ...]:
@@ -269,8 +273,9 @@ class Planner:
         return self.estimator.estimate(plan.placement, n_tokens, ctx_len, plan.n_slots, plan.kv_layers)
 
     # ---- member tables -------------------------------------------------------------------------
-    def _table(self, kv_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-        """(vram [B, T], ms [B, T]) of every family member at every tier, for this KV capacity."""
+    def _table(self, kv_tokens: int, pause: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(vram [B, T], ms [B, T]) of every family member at every tier, for this KV capacity. `pause`:
+        called before each block of members is priced at each tier (see `warm`)."""
         if kv_tokens not in self._tables:
             fam = self.family
             kv_layer = kv_cache_bytes(self.spec, kv_tokens, 1)
@@ -281,9 +286,14 @@ class Planner:
             costs = [est.costs(t, planning_context(t, kv_tokens)) for t in self.tiers]
             # One schedule structure per block of members, priced per tier (blocks bound the memory of
             # the replay for models with many sub-layers; a dense model's family is one block).
-            step = max(256, _PIPELINE_CELLS // fam.place.shape[1])
+            step = max(256, (_PIPELINE_CELLS if pause is None else _PAUSED_CELLS) // fam.place.shape[1])
+
+            def priced(pipe, c):
+                if pause is not None:
+                    pause()
+                return pipe.run(c, est.rho)
             ms = np.concatenate([
-                np.stack([pipe.run(c, est.rho) for c in costs], 1)
+                np.stack([priced(pipe, c) for c in costs], 1)
                 for pipe in (est.pipeline(fam.place[a:a + step], self.n_slots)
                              for a in range(0, len(fam.place), step))])
             ms += np.stack([est.mixed_layer_ms(fam.place, t) for t in self.tiers], 1)
@@ -301,10 +311,13 @@ class Planner:
         the KV this capacity needs, so they fit wherever they say they fit."""
         return min((k for k in list(self._tables) if k >= kv_tokens), default=None)
 
-    def warm(self, kv_tokens: int) -> None:
-        """Price the tables of this KV capacity now (a background thread's job)."""
+    def warm(self, kv_tokens: int, pause: Callable[[], None] | None = None) -> None:
+        """Price the tables of this KV capacity now (a background thread's job). `pause` is called between
+        blocks of a few milliseconds' work: the replay is Python and numpy, which hold the interpreter
+        lock, and a thread pricing beside a decode slowed the decode's host work several times over (each
+        native call's return waited for the lock), so the engine's pause waits while steps run."""
         if self.family is not None:
-            self._table(max(int(kv_tokens), 0))
+            self._table(max(int(kv_tokens), 0), pause)
 
     def _front(self, kv_tokens: int, kind: str, group: int, ti: int) -> _Front | None:
         key = (kv_tokens, kind, group, ti)

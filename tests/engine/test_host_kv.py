@@ -417,18 +417,18 @@ def test_budget_drop_does_not_wait_for_new_plan_tables(tiny_model, monkeypatch):
     built: list[tuple[int, str]] = []
     real = Planner._table
 
-    def spy(self, kv_tokens):
+    def spy(self, kv_tokens, pause=None):
         if kv_tokens not in self._tables:
             built.append((kv_tokens, threading.current_thread().name))
-        return real(self, kv_tokens)
+        return real(self, kv_tokens, pause)
 
     monkeypatch.setattr(Planner, "_table", spy)
     gate = threading.Event()                        # the refining thread prices once the test has looked
     real_warm = Planner.warm
 
-    def gated_warm(self, kv_tokens):
+    def gated_warm(self, kv_tokens, pause=None):
         gate.wait(60)
-        real_warm(self, kv_tokens)
+        real_warm(self, kv_tokens, pause)
 
     monkeypatch.setattr(Planner, "warm", gated_warm)
     path = tiny_model("llama")
@@ -602,4 +602,66 @@ def test_a_drop_queued_before_a_request_goes_first_when_its_kv_capacity_changes(
     after = eng.replans[since:]
     assert after[0]["budget"] == low and after[0]["reason"] == "set_vram_budget", after
     assert all(r["budget"] == low for r in after), after
+    eng.close()
+
+
+def test_a_plan_refinement_prices_only_while_no_step_runs(tiny_model, monkeypatch):
+    """The thread pricing a new KV capacity's plans holds the interpreter lock while it works, which slowed
+    a decode beside it several times over; it prices a block only where no step runs and none has run for
+    REFINE_IDLE_S, and finishes once the engine is idle. A step that runs meanwhile still gives the tokens
+    a fresh engine gives."""
+    import threading
+    import time
+
+    from engine.backends import torch_engine
+
+    monkeypatch.setattr(torch_engine, "REFINE_MAX_WAIT_S", 60.0)
+    path = tiny_model("llama")
+    eng = open_gpu_side(path, "auto")
+    ref = engine.open_model(path, device="cpu", backend="torch", speculative=False, host_kv_gib=0)
+    want = greedy(ref, LONG_A, n=24)
+    assert greedy(eng, LONG_A, n=24) == want
+    planner, kv = eng.planner(), eng.kv_tokens
+    real_pause = eng._refine_pause
+    blocks, busy = [], []
+
+    def pause():                      # each block priced: was a step running, or one just ended?
+        real_pause()
+        with eng._activity:
+            busy.append(eng._steps_running > 0 or time.monotonic() < eng._last_step_end + torch_engine.REFINE_IDLE_S)
+        blocks.append(threading.current_thread().name)
+        time.sleep(0.02)              # (a block takes a while: the tiny model's would race the steps)
+
+    monkeypatch.setattr(eng, "_refine_pause", pause)
+    planner._tables = {k: v for k, v in planner._tables.items() if k != kv}
+    planner._fronts = {k: v for k, v in planner._fronts.items() if k[0] != kv}
+    eng._refine_in_background()
+    assert greedy(eng, LONG_A, n=24) == want            # steps run while the thread waits
+    assert not any(busy), busy
+    for _ in range(500):
+        if planner.has_table(kv) and not eng._refining:
+            break
+        time.sleep(0.02)
+    assert planner.has_table(kv) and blocks and not any(busy)
+    assert eng.refines["count"] >= 1
+    eng.close()
+    ref.close()
+
+
+def test_a_plan_refinement_still_finishes_beside_steps_that_never_stop(tiny_model, monkeypatch):
+    """With steps running all the time, the refinement prices one block per REFINE_MAX_WAIT_S."""
+    import threading
+    import time
+
+    from engine.backends import torch_engine
+
+    monkeypatch.setattr(torch_engine, "REFINE_MAX_WAIT_S", 0.2)
+    eng = open_gpu_side(tiny_model("llama"), "auto")
+    eng._step_activity(1)                               # a step that does not end
+    done = threading.Event()
+    t0 = time.monotonic()
+    threading.Thread(target=lambda: (eng._refine_pause(), done.set()), daemon=True).start()
+    assert not done.wait(0.1)
+    assert done.wait(5) and time.monotonic() - t0 >= 0.2
+    eng._step_activity(-1)
     eng.close()

@@ -376,3 +376,24 @@ def test_moe_prompt_tiers_mix_cpu_groups_only_where_the_state_moves_pay():
 
     assert cpu_groups(1024) == 0
     assert cpu_groups(64) > 0 and cpu_groups(256) > 0
+
+
+def test_a_paused_warm_prices_the_same_tables_in_small_blocks():
+    """A background thread prices a KV capacity's tables with a pause between blocks (the engine waits
+    there while steps run): the tables are the same as priced in one go, and the pauses split the work of
+    Llama-3-8B's family into many blocks."""
+    import numpy as np
+
+    from engine.bench.shapes import get_shape
+
+    spec = ModelSpec.from_config(get_shape("llama3-8b"))
+    whole, paused = Planner(spec, SIM), Planner(spec, SIM)
+    pauses = []
+    whole.warm(4096)
+    paused.warm(4096, lambda: pauses.append(1))
+    assert whole.has_table(4096) and paused.has_table(4096)
+    for a, b in zip(whole._tables[4096], paused._tables[4096]):
+        assert np.array_equal(a, b)
+    members, subs = paused.family.place.shape
+    assert len(pauses) >= len(paused.tiers) * (members * subs // (1 << 17))
+    assert len(pauses) > 10 * len(paused.tiers)
