@@ -1,0 +1,90 @@
+"""The suite's decode runs one after another, each token timed, with what the engine did in each run: for a
+suite row whose runs differ by a third (session 16, call TT: the MoE 4 GiB runs were 31.1, 20.3, 22.0,
+29.7 and 22.1 t/s; Llama-3-8B's at 4 GiB 7.4 to 9.0).
+
+    python -m engine.bench.decode_runs --shape qwen3-30b-a3b --budget 4GiB --runs 10 --out DIR
+
+The engine is set up as `slipstream_runs.measure_budget` sets it up (the prompts of 512 and 4096 tokens,
+warm-up and timed, then the decode runs of 32 sampled tokens after a 64-token prompt). Per run: tokens/s
+as the suite reads it, each token's time, the plan in force (tier, kind, predicted ms), the KV capacity,
+the re-plans made during the run and their reasons, the weight bytes copied and the engine's host-KV
+counters. Prints a table and writes decode_runs.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from engine.bench.gpu_common import write_report
+from engine.units import parse_bytes
+
+COUNTERS = ("streamed_bytes", "host_kv_blocks", "host_kv_hits", "prefix_hit_tokens", "replans")
+
+
+def one_run(eng, run: int, salt: str, n_new: int) -> dict:
+    from engine.bench.slipstream_runs import DECODE_PROMPT, _prompt
+
+    before = {k: eng.stats().get(k) for k in COUNTERS}
+    replans0 = len(eng.replans)
+    times, last = [], time.perf_counter()
+    for ev in eng.generate(_prompt(DECODE_PROMPT, run, salt), max_new_tokens=n_new, temperature=1.0, seed=run):
+        if ev.token_id is None:
+            continue
+        now = time.perf_counter()
+        times.append((now - last) * 1e3)
+        last = now
+    s = eng.stats()
+    plan = eng.executor.plan
+    return {"run": run, "tps": s["decode_tokens_per_s"], "ttft_ms": times[0], "token_ms": [round(t, 2) for t in times[1:]],
+            "plan": {"tier": plan.tier, "kind": plan.kind, "predicted_ms": plan.predicted_ms},
+            "kv_tokens": eng.kv_tokens,
+            "replans": [{"reason": r["reason"], "budget": r["budget"]} for r in eng.replans[replans0:]],
+            "counters": {k: (s.get(k) - before[k]) if isinstance(s.get(k), int | float) and isinstance(before[k], int | float)
+                         else s.get(k) for k in COUNTERS}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m engine.bench.decode_runs", description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-30b-a3b")
+    ap.add_argument("--budget", default="4GiB")
+    ap.add_argument("--device", default="cuda", help="cuda, or sim (a dry run)")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=Path("."))
+    args = ap.parse_args(argv)
+    from engine.bench.scenarios import DRY_SCENARIOS, PROMPTS, SCENARIOS
+    from engine.bench.slipstream_runs import _empty_cache, open_engine, prefill_tps
+
+    budget = parse_bytes(args.budget)
+    eng = open_engine({**SCENARIOS, **DRY_SCENARIOS}[args.shape], budget, args.device, max(PROMPTS) + 256)
+    eng.set_vram_budget(budget)
+    _empty_cache()
+    salt = f"b{budget}"
+    for n in PROMPTS:                                   # as measure_budget: warm-up and timed prompts
+        prefill_tps(eng, n, 25, salt)
+    one_run(eng, 24, salt, 4)
+    for n in PROMPTS:
+        for r in range(3):
+            prefill_tps(eng, n, r, salt)
+    rows = [one_run(eng, 3 + i, salt, args.tokens) for i in range(args.runs)]
+    print("| run | t/s | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        t = r["token_ms"]
+        copied = (r["counters"]["streamed_bytes"] or 0) / max(len(t) + 1, 1) / 2**20
+        print(f"| {r['run']} | {r['tps']:.2f} | {[round(x, 1) for x in t[:4]]} | {statistics.median(t):.1f} | {max(t):.1f} | "
+              f"{r['plan']['tier']}/{r['plan']['kind']} {r['plan']['predicted_ms']:.1f} | {r['kv_tokens']} | "
+              f"{'; '.join(x['reason'] for x in r['replans']) or '-'} | {copied:.1f} |", flush=True)
+    eng.close()
+    path = write_report(args.out, "decode_runs", {"shape": args.shape, "budget": args.budget, "device": args.device,
+                                                  "rows": rows},
+                        "python -m engine.bench.decode_runs " + " ".join(sys.argv[1:] if argv is None else argv))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
