@@ -37,6 +37,9 @@ SIM_DEFAULT_BUDGET = 1 << 40     # "sim" without a budget: a notional GPU with r
 INITIAL_KV_TOKENS = 2048
 IN_FORCE = -1             # a queued re-plan for the budget in force when it runs
 KV_CUT_FLOOR_TOKENS = 64  # a budget drop cuts the KV capacity to twice the tokens in use, never below this
+# A prompt of one step stays on the decode plan where its own tier's plan would save less than the switch
+# there and back costs: the weights moved each way over PCIe plus this much (see _staying_pays)
+PLAN_SWITCH_MS = 10.0
 SPEC_TOKENS = 6           # most tokens an n-gram proposal adds to a step
 SMALL_STEP = 16          # steps of up to this many tokens share one plan (see _plan_for_step)
 # The thread that prices a new KV capacity's plans works while no step has run for REFINE_IDLE_S, and
@@ -173,6 +176,7 @@ class TorchEngine(Engine):
         self._refining = False                    # a thread prices the plans of a cut KV capacity
         # Steps running now and when the last one ended: that thread prices only while no step has run
         # for REFINE_IDLE_S (see `_refine_pause`)
+        self._stay_cache: dict = {}                # (planset, tiers, tokens) -> whether a step stays (_staying_pays)
         self._steps_running = 0
         self._last_step_end = 0.0
         self._activity = threading.Condition()
@@ -521,10 +525,39 @@ class TorchEngine(Engine):
         7-token verify steps would otherwise swap resident weights at every step)."""
         plan = self.planset.for_tokens(n_new)
         cur = self.executor.plan
-        if (cur is not None and plan is not cur and n_new <= SMALL_STEP and cur.tier <= SMALL_STEP
-                and any(cur is p for p in self.planset.plans)):
+        if cur is None or plan is cur or not any(cur is p for p in self.planset.plans) or cur.tier > SMALL_STEP:
+            return plan
+        if n_new <= SMALL_STEP or self._staying_pays(cur, plan, n_new):
             return cur
         return plan
+
+    def _staying_pays(self, cur, plan, n_new: int) -> bool:
+        """Whether a step of `n_new` tokens (a short prompt) is cheaper on the small-step plan in place than
+        on its own tier's plan once the switch there and back is priced: the weights each way over PCIe and
+        PLAN_SWITCH_MS (the one-token CUDA graphs captured again, the activation itself). On the MoE shape
+        at 4 GiB the 64-token prompt's plan differed from the decode plan's by 1.4 ms predicted, and the
+        first decode step after every prompt took 67-115 ms against 25-33 (session 16, call UU)."""
+        if self.accel is None or self.accel.kind == "cpu":
+            return False
+        key = (id(self.planset), cur.tier, plan.tier, n_new)
+        if key not in self._stay_cache:
+            from engine.sharding.memory import scratch_bytes
+            from engine.sharding.planner import planning_context
+
+            # (the step's temporaries on the plan in place must fit where the tier's own plan fits)
+            if cur.vram.total - cur.vram.scratch + scratch_bytes(self.spec, n_new) > plan.vram.total:
+                self._stay_cache[key] = False
+                return False
+            planner = self.planner()
+            ctx = planning_context(n_new, self.kv_tokens)
+            extra = planner.estimate(cur, n_new, ctx) - planner.estimate(plan, n_new, ctx)
+            a, b = set(cur.resident()), set(plan.resident())
+            moved = sum(self.executor.store.nbytes(n) for n in a ^ b)
+            switch = planner.prof.copy_ms(moved) + PLAN_SWITCH_MS if planner.prof.has_gpu else PLAN_SWITCH_MS
+            if len(self._stay_cache) > 64:
+                self._stay_cache.clear()
+            self._stay_cache[key] = extra < switch
+        return self._stay_cache[key]
 
     def step_token_budget(self) -> int:
         """New tokens per step: the planner's best step size (the tier with the best time per token)."""

@@ -665,3 +665,32 @@ def test_a_plan_refinement_still_finishes_beside_steps_that_never_stop(tiny_mode
     assert done.wait(5) and time.monotonic() - t0 >= 0.2
     eng._step_activity(-1)
     eng.close()
+
+
+@pytest.mark.parametrize("switch_ms, stays", [(1e9, True), (-1e9, False)], ids=["switch-dear", "switch-free"])
+def test_a_one_step_prompt_stays_on_the_decode_plan_where_switching_costs_more(tiny_model, monkeypatch,
+                                                                               switch_ms, stays):
+    """A prompt of one step after a decode runs on the decode plan in place where its own tier's plan
+    saves less than the switch there and back costs (PLAN_SWITCH_MS and the weights moved), and on its
+    tier's plan otherwise; the tokens are a fresh engine's either way."""
+    from engine.backends import torch_engine
+
+    monkeypatch.setattr(torch_engine, "PLAN_SWITCH_MS", switch_ms)
+    path = tiny_model("llama")
+    eng = open_gpu_side(path, "auto")
+    ref = engine.open_model(path, device="cpu", backend="torch", speculative=False, host_kv_gib=0)
+    prompt = "q" + " w" * 30                           # one step of more than SMALL_STEP tokens
+    n = len(eng.encode_prompt(prompt))
+    assert torch_engine.SMALL_STEP < n <= TIERS[-1]
+    assert greedy(eng, "x y", n=6) == greedy(ref, "x y", n=6)       # the decode plan is in place
+    decode_plan = eng.executor.plan
+    assert decode_plan.tier <= torch_engine.SMALL_STEP
+    prompt_plan = eng.planset.for_tokens(n)
+    assert prompt_plan is not decode_plan
+    activated = []
+    real = eng.executor.activate
+    monkeypatch.setattr(eng.executor, "activate", lambda plan, *a, **k: (activated.append(plan), real(plan, *a, **k)))
+    assert greedy(eng, prompt, n=6) == greedy(ref, prompt, n=6)
+    assert (prompt_plan not in activated) == stays, [p.tier for p in activated]
+    eng.close()
+    ref.close()
