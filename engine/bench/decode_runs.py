@@ -8,12 +8,14 @@ The engine is set up as `slipstream_runs.measure_budget` sets it up (the prompts
 warm-up and timed, then the decode runs of 32 sampled tokens after a 64-token prompt). Per run: tokens/s
 as the suite reads it, each token's time, the plan in force (tier, kind, predicted ms), the KV capacity,
 the re-plans made during the run and their reasons, the weight bytes copied and the engine's host-KV
-counters. Prints a table and writes decode_runs.json.
+counters. With `--poll-s`, every other run has an NVML poller of that interval beside it, as the suite's
+runs have. Prints a table and writes decode_runs.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or sim (a dry run)")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--poll-s", type=float, default=0.0,
+                    help="every other run beside an NVML poller of this interval (the suite's: 0.02)")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
     from engine.bench.scenarios import DRY_SCENARIOS, PROMPTS, SCENARIOS
@@ -70,12 +74,24 @@ def main(argv: list[str] | None = None) -> int:
     for n in PROMPTS:
         for r in range(3):
             prefill_tps(eng, n, r, salt)
-    rows = [one_run(eng, 3 + i, salt, args.tokens) for i in range(args.runs)]
-    print("| run | t/s | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for i in range(args.runs):
+        polled = bool(args.poll_s) and i % 2 == 1
+        if polled:            # as the suite samples this process's VRAM beside its runs
+            from engine.bench.vram_poll import VramPoller
+
+            with VramPoller([os.getpid()], args.poll_s):
+                rows.append(one_run(eng, 3 + i, salt, args.tokens))
+        else:
+            rows.append(one_run(eng, 3 + i, salt, args.tokens))
+        rows[-1]["nvml_poll_s"] = args.poll_s if polled else None
+    print("| run | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["token_ms"]
         copied = (r["counters"]["streamed_bytes"] or 0) / max(len(t) + 1, 1) / 2**20
-        print(f"| {r['run']} | {r['tps']:.2f} | {[round(x, 1) for x in t[:4]]} | {statistics.median(t):.1f} | {max(t):.1f} | "
+        print(f"| {r['run']} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
+              f"{statistics.median(t):.1f} | {max(t):.1f} | "
               f"{r['plan']['tier']}/{r['plan']['kind']} {r['plan']['predicted_ms']:.1f} | {r['kv_tokens']} | "
               f"{'; '.join(x['reason'] for x in r['replans']) or '-'} | {copied:.1f} |", flush=True)
     eng.close()

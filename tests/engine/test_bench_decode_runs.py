@@ -1,0 +1,32 @@
+"""engine.bench.decode_runs and engine.bench.refine_contention, dry runs on the sim device."""
+
+from __future__ import annotations
+
+import json
+
+
+def test_decode_runs_records_each_run_token_by_token(tmp_path):
+    from engine.bench import decode_runs
+
+    assert decode_runs.main(["--shape", "tiny-moe", "--budget", "2MiB", "--device", "sim", "--runs", "3",
+                             "--tokens", "5", "--poll-s", "0.02", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "decode_runs.json").read_text())["rows"]
+    assert len(rows) == 3
+    for r in rows:
+        assert len(r["token_ms"]) == 4 and r["tps"] > 0 and r["kv_tokens"] > 0
+        assert r["plan"]["tier"] >= 1 and isinstance(r["replans"], list)
+    assert [r["nvml_poll_s"] for r in rows] == [None, 0.02, None]
+
+
+def test_refine_contention_runs_each_mode_and_the_refinement_finishes(tmp_path):
+    from engine.backends import torch_engine
+    from engine.bench import refine_contention
+
+    assert refine_contention.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--tokens", "4",
+                                   "--repeats", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "refine_contention.json").read_text())
+    assert [r["mode"] for r in report["rows"]] == list(refine_contention.MODES)
+    for r in report["rows"]:
+        assert (r["refined_after_s"] is None) == (r["mode"] == "none")
+    assert set(report["summary"]) == set(refine_contention.MODES)
+    assert torch_engine.REFINE_YIELD            # put back after the no-yield mode
