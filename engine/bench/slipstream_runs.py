@@ -73,19 +73,36 @@ def prefill_tps(eng, n: int, run: int, salt: str = "", hits: list | None = None)
     return float(s["prefill_tokens_per_s"])
 
 
-def decode_tps(eng, run: int, n_new: int = DECODE_TOKENS, copied: dict | None = None, salt: str = "") -> float:
+def decode_tps(eng, run: int, n_new: int = DECODE_TOKENS, copied: dict | None = None, salt: str = "",
+               detail: list | None = None) -> float:
     """Decode tokens/s; with `copied`, also the weight bytes streamed per decode step (from the first
-    token on: a MoE decode streams only routed experts)."""
+    token on: a MoE decode streams only routed experts); with `detail`, appends the run's token times
+    (median and slowest after the first token), the host's stolen CPU share and its load meanwhile (a row's
+    runs have differed by a third: session 16)."""
+    from engine.bench.gpu_common import _cpu_ticks
+
     ex = getattr(eng, "executor", None)
     first = None
+    times, last, ticks = [], time.perf_counter(), _cpu_ticks()
     # Sampled, not greedy: a random-weight model's greedy output tends to repeat one token, which routes
     # every MoE decode step to the same experts (llama-bench feeds random tokens).
     for _ in eng.generate(_prompt(DECODE_PROMPT, run, salt), max_new_tokens=n_new, temperature=1.0, seed=run):
+        now = time.perf_counter()
+        times.append(now - last)
+        last = now
         if first is None and ex is not None:
             first = ex.copied_bytes
     if copied is not None and first is not None:
         copied["decode_copied_bytes_per_token"] = (ex.copied_bytes - first) / max(n_new - 1, 1)
-    return float(eng.stats()["decode_tokens_per_s"])
+    tps = float(eng.stats()["decode_tokens_per_s"])
+    if detail is not None:
+        after, steady = _cpu_ticks(), times[1:-1] or times    # (the last entry: the final event)
+        detail.append({"tps": round(tps, 3), "median_ms": round(statistics.median(steady) * 1e3, 2),
+                       "max_ms": round(max(steady) * 1e3, 2),
+                       "steal_share": (round((after[1] - ticks[1]) / max(after[0] - ticks[0], 1), 4)
+                                       if ticks and after else None),
+                       "loadavg": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None})
+    return tps
 
 
 def placements_by_kind(placement: dict) -> dict[str, dict[str, int]]:
@@ -129,8 +146,11 @@ def measure_budget(eng, budget: int, runs: int, poll: VramPoller) -> dict:
     out["prefill_prefix_hit_tokens"] = sum(hits)
     # Decode: the median of DECODE_RUNS runs (a lease's speed drifts by several percent from one run of 32
     # tokens to the next; one run per budget made the row a draw)
-    tps = [decode_tps(eng, runs + i, copied=out if i == 0 else None, salt=salt) for i in range(max(DECODE_RUNS, runs))]
+    detail: list[dict] = []
+    tps = [decode_tps(eng, runs + i, copied=out if i == 0 else None, salt=salt, detail=detail)
+           for i in range(max(DECODE_RUNS, runs))]
     out["decode_tps"], out["decode_tps_runs"] = statistics.median(tps), [round(t, 3) for t in tps]
+    out["decode_runs_detail"] = detail
     if hasattr(eng, "submit"):          # continuous batching: B streams submitted at once
         from engine.bench.batch_throughput import run_streams
 
@@ -202,6 +222,7 @@ def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int
                        **{k: m[k] for k in m if k.endswith("_tps")},
                        "decode_copied_bytes_per_token": m.get("decode_copied_bytes_per_token"),
                        "decode_tps_runs": m.get("decode_tps_runs"),
+                       "decode_runs_detail": m.get("decode_runs_detail"),
                        "plan_refines": m.get("plan_refines"), "plan_refine_s": m.get("plan_refine_s"),
                        "prefill_prefix_hit_tokens": m.get("prefill_prefix_hit_tokens"),
                        "cuda_graphs": {k: v for k, v in eng.stats().items() if k.startswith("cuda_graph")},

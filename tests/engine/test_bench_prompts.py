@@ -61,5 +61,8 @@ def test_suite_prefills_share_no_cached_prefix_across_lengths_or_budgets():
     for r in rows:          # the batched rows: the decode figure (after every prompt) and the wall-time one
         for b in (4, 16):
             assert r[f"decode_batch{b}_tps"] > 0 and r[f"decode_batch{b}_wall_tps"] > 0
+        # each decode run's token times beside its tokens/s (the median run is the row's figure)
+        assert [d["tps"] for d in r["decode_runs_detail"]] == r["decode_tps_runs"]
+        assert all(0 < d["median_ms"] <= d["max_ms"] for d in r["decode_runs_detail"])
     assert not _prompt(4096, 0, "a").startswith(_prompt(512, 0, "a"))
     assert _prompt(512, 0, "a") != _prompt(512, 0, "b")
