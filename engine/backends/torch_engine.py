@@ -174,9 +174,11 @@ class TorchEngine(Engine):
         self._oom_retries = OOM_RETRIES
         self._budget_lock = threading.Lock()
         self._refining = False                    # a thread prices the plans of a cut KV capacity
+        # (tiers, tokens) -> whether such a step stays on the plan in place, for the plan set in `_stay_of`
+        self._stay_cache: dict = {}
+        self._stay_of = None
         # Steps running now and when the last one ended: that thread prices only while no step has run
         # for REFINE_IDLE_S (see `_refine_pause`)
-        self._stay_cache: dict = {}                # (planset, tiers, tokens) -> whether a step stays (_staying_pays)
         self._steps_running = 0
         self._last_step_end = 0.0
         self._activity = threading.Condition()
@@ -539,7 +541,9 @@ class TorchEngine(Engine):
         first decode step after every prompt took 67-115 ms against 25-33 (session 16, call UU)."""
         if self.accel is None or self.accel.kind == "cpu":
             return False
-        key = (id(self.planset), cur.tier, plan.tier, n_new)
+        if self._stay_of is not self.planset:     # (a re-plan: decide afresh)
+            self._stay_cache, self._stay_of = {}, self.planset
+        key = (cur.tier, plan.tier, n_new)
         if key not in self._stay_cache:
             from engine.sharding.memory import scratch_bytes
             from engine.sharding.planner import planning_context
@@ -554,8 +558,6 @@ class TorchEngine(Engine):
             a, b = set(cur.resident()), set(plan.resident())
             moved = sum(self.executor.store.nbytes(n) for n in a ^ b)
             switch = planner.prof.copy_ms(moved) + PLAN_SWITCH_MS if planner.prof.has_gpu else PLAN_SWITCH_MS
-            if len(self._stay_cache) > 64:
-                self._stay_cache.clear()
             self._stay_cache[key] = extra < switch
         return self._stay_cache[key]
 
