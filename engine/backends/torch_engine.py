@@ -177,6 +177,7 @@ class TorchEngine(Engine):
         # (tiers, tokens) -> whether such a step stays on the plan in place, for the plan set in `_stay_of`
         self._stay_cache: dict = {}
         self._stay_of = None
+        self._stayed = False                      # the last step stayed on the plan in place (_plan_for_step)
         # Steps running now and when the last one ended: that thread prices only while no step has run
         # for REFINE_IDLE_S (see `_refine_pause`)
         self._steps_running = 0
@@ -341,7 +342,8 @@ class TorchEngine(Engine):
                 idle_at = self._last_step_end + REFINE_IDLE_S
                 if (not self._steps_running and now >= idle_at) or now >= give_up:
                     return
-                self._activity.wait(min(give_up, max(idle_at, now + 0.005)) - now)
+                # (a running step notifies when it ends; otherwise wake when the engine has been idle long enough)
+                self._activity.wait((give_up if self._steps_running else min(give_up, idle_at)) - now)
 
     def _step_activity(self, delta: int) -> None:
         with self._activity:
@@ -524,14 +526,17 @@ class TorchEngine(Engine):
         """The plan of the step's tier; but a small step (a decode, a speculative verify, a small batch)
         keeps the small-step plan already in place: switching plans moves weights in and out of VRAM,
         which costs more than the better placement saves on one short step (decode alternating with
-        7-token verify steps would otherwise swap resident weights at every step)."""
+        7-token verify steps would otherwise swap resident weights at every step). A larger step (a short
+        prompt) keeps it too where the switch costs more than it saves (`_staying_pays`)."""
         plan = self.planset.for_tokens(n_new)
         cur = self.executor.plan
-        if cur is None or plan is cur or not any(cur is p for p in self.planset.plans) or cur.tier > SMALL_STEP:
-            return plan
-        if n_new <= SMALL_STEP or self._staying_pays(cur, plan, n_new):
-            return cur
-        return plan
+        # A larger step stays at most once in a row (a prompt before its decode): a second one in a row is a
+        # run of them (a batch of more than SMALL_STEP streams), where the switch pays once for all.
+        stay = (cur is not None and plan is not cur and cur.tier <= SMALL_STEP
+                and any(cur is p for p in self.planset.plans)
+                and (n_new <= SMALL_STEP or (not self._stayed and self._staying_pays(cur, plan, n_new))))
+        self._stayed = stay and n_new > SMALL_STEP
+        return cur if stay else plan
 
     def _staying_pays(self, cur, plan, n_new: int) -> bool:
         """Whether a step of `n_new` tokens (a short prompt) is cheaper on the small-step plan in place than
@@ -539,7 +544,7 @@ class TorchEngine(Engine):
         PLAN_SWITCH_MS (the one-token CUDA graphs captured again, the activation itself). On the MoE shape
         at 4 GiB the 64-token prompt's plan differed from the decode plan's by 1.4 ms predicted, and the
         first decode step after every prompt took 67-115 ms against 25-33 (session 16, call UU)."""
-        if self.accel is None or self.accel.kind == "cpu":
+        if self.accel is None:
             return False
         if self._stay_of is not self.planset:     # (a re-plan: decide afresh)
             self._stay_cache, self._stay_of = {}, self.planset
@@ -557,7 +562,7 @@ class TorchEngine(Engine):
             extra = planner.estimate(cur, n_new, ctx) - planner.estimate(plan, n_new, ctx)
             a, b = set(cur.resident()), set(plan.resident())
             moved = sum(self.executor.store.nbytes(n) for n in a ^ b)
-            switch = planner.prof.copy_ms(moved) + PLAN_SWITCH_MS if planner.prof.has_gpu else PLAN_SWITCH_MS
+            switch = planner.prof.copy_ms(moved) + PLAN_SWITCH_MS
             self._stay_cache[key] = extra < switch
         return self._stay_cache[key]
 

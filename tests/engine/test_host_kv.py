@@ -694,3 +694,22 @@ def test_a_one_step_prompt_stays_on_the_decode_plan_where_switching_costs_more(t
     assert (prompt_plan not in activated) == stays, [p.tier for p in activated]
     eng.close()
     ref.close()
+
+
+def test_a_run_of_larger_steps_switches_at_the_second(tiny_model, monkeypatch):
+    """Staying on the decode plan is for one larger step (a prompt before its decode): the second larger
+    step in a row (a batch of more than SMALL_STEP streams, step after step) takes its tier's plan, whose
+    switch pays once for the whole run; a small step in between starts the count again."""
+    from engine.backends import torch_engine
+
+    monkeypatch.setattr(torch_engine, "PLAN_SWITCH_MS", 1e9)
+    eng = open_gpu_side(tiny_model("llama"), "auto")
+    greedy(eng, "x y", n=4)
+    decode_plan, n = eng.executor.plan, torch_engine.SMALL_STEP + 8
+    big = eng.planset.for_tokens(n)
+    assert big is not decode_plan
+    assert eng._plan_for_step(n) is decode_plan
+    assert eng._plan_for_step(n) is big
+    assert eng._plan_for_step(1) is decode_plan            # (the plan in place is still the decode plan)
+    assert eng._plan_for_step(n) is decode_plan
+    eng.close()
