@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     # unless --scattered
     sizes = Sizes(args.hidden, 4 * args.hidden, 256, args.heads, d, args.ctx, (1,), 0.1, args.blocks * one_block,
                   dtypes=("bfloat16",), pinned=torch.cuda.is_available(), kv_heads=args.kv_heads)
-    ab = _attention_blocks(sizes, args.ctx, 1, interleave=args.scattered)
+    ab = _attention_blocks(sizes, args.ctx, 1, interleave=args.scattered, native=False)   # (the tensor path's parts)
     cfg, blocks, kv, seq = ab.cfg, ab.blocks, ab.kv, ab.seq
     cos, sin, _ = ab.steps[1]
     gqa = cfg.num_kv_heads != cfg.num_heads

@@ -288,12 +288,15 @@ def part_slipstream(args, part: Partial, deadline, command: str) -> int:
     if "allowance_torch" not in part.meta:
         part.meta["allowance_torch"] = bare_context_bytes()
         say(f"torch allowance (a bare CUDA context + cuBLAS): {part.meta['allowance_torch'] / 2**20:.0f} MiB")
+    from engine.bench.gpu_common import rates_probe
+
+    probe = (lambda: rates_probe(16, 4, 0.02)) if args.dry_run else rates_probe     # (dry: a taste)
     for scenario in pick(args.models, args.dry_run):
         if not deadline.allows(120):
             say("deadline reached: the rest is left for a later call")
             break
         run_scenario(scenario, pick_budgets(args.budgets, args.dry_run), part, device, max(1, args.runs),
-                     int(part.meta["allowance_torch"]), command, deadline, say=say)
+                     int(part.meta["allowance_torch"]), command, deadline, say=say, probe=probe)
         part.pack_logs()
     return 0
 

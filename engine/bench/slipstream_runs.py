@@ -189,11 +189,18 @@ def suite_n_ctx() -> int:
 
 
 def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int, command: str,
-                 deadline, say=print) -> None:
+                 deadline, say=print, probe=None) -> None:
+    """Slipstream's rows of one shape, one engine, the budgets ascending. `probe()`: the machine's rates
+    (`gpu_common.rates_probe`), taken before the engine opens and after it closes and kept in each row
+    (`lease_rates`), so the merge can set the row beside the bound at the rates of its own lease."""
     todo = [(n, b) for n, b in budgets if not part.has(f"slipstream|{scenario.model}|{n}||")]
     if not todo:
         return
     n_ctx = suite_n_ctx()
+    rates = {"before": probe()} if probe is not None else None
+    if rates:
+        say(f"rates before: {_rates_line(rates['before'])}")
+    added: list[dict] = []
     t0 = time.perf_counter()
     try:
         eng = open_engine(scenario, todo[0][1], device, n_ctx)
@@ -232,10 +239,12 @@ def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int
                                             "llama-batched-bench's decode figure); decode_batch*_wall_tps: "
                                             "over the whole wall time, prefill included",
                        "command": command, "plan": compact_plan(report), "open_seconds": round(open_s, 1),
+                       "lease_rates": rates,
                        "seconds": m["seconds"], "device": device, "supported": True,
                        "note": (scenario.note + "; " if scenario.note else "")
                                + "one engine, budgets applied live with set_vram_budget, ascending"}
                 part.add(row)
+                added.append(row)
                 (part.log_dir / f"{scenario.model}-{name}-plan.json").write_text(
                     __import__("json").dumps(report, indent=1, default=str))
                 say(f"  slipstream {scenario.model} {name}: prefill {m['prefill512_tps']:.0f}/"
@@ -246,3 +255,12 @@ def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int
         eng.close()
         del eng
         _empty_cache()
+    if rates and added:
+        rates["after"] = probe()      # (the rows share the dict: each keeps both probes)
+        say(f"rates after: {_rates_line(rates['after'])}")
+        part.save()
+
+
+def _rates_line(r: dict) -> str:
+    return (f"CPU {r['cpu_gemv_gbps']} GB/s alone, {r['cpu_gemv_with_copy_gbps']} beside copies; host->GPU "
+            f"{r['h2d_gbps']} alone, {r['h2d_with_cpu_gbps']} beside the CPU; steal {r['steal_share']}")

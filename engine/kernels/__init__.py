@@ -636,6 +636,7 @@ def attention_decode(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float, he
                                                        and kn.is_contiguous())):
         return None
     lib = _lib
+    _sync_threads(lib)     # (the call's jobs run on the pool: at torch's thread count, as every other call's)
     out = torch.empty_like(x)
     with _busy:
         rc = lib.sl_attn_decode(_DTYPES[dtype], _DTYPES[nw.dtype], x.data_ptr(), H, nw.data_ptr(), float(eps),

@@ -581,6 +581,13 @@ int sl_set_threads(int threads, int spin) {
  * are done. */
 static void run_pool(void (*task)(const void *, int64_t), const void *arg, int64_t chunks) {
     unsigned job_no = atomic_load(&pool.gen) + 1;
+    /* Close the last job's counter before its fields change: a worker that read `next` while that job was
+     * current (every chunk claimed) and is about to compare its chunk number with `pool.chunks` would
+     * otherwise see this job's larger count, win its compare-and-swap on the old value and run a chunk past
+     * the old job's end (a garbage job pointer: a general protection fault in a worker) and count it
+     * done in this job. With the counter at "this job, nothing to claim" first, that swap fails. */
+    atomic_store_explicit(&pool.next, ((unsigned long long)job_no << 32) | 0xffffffffull, memory_order_seq_cst);
+    atomic_thread_fence(memory_order_seq_cst);
     pool.task = task;
     pool.arg = arg;
     pool.chunks = chunks;

@@ -372,6 +372,7 @@ def ffn_block_factors(sizes: Sizes, gemm: dict, op_us: float) -> dict[str, float
 
 ATTN_CTX = 256          # cached tokens of the attention block measurement (a short decode context)
 ATTN_TOKENS = (1, 16)   # new tokens per measured attention step
+ATTN_FACTOR_FLOOR = 0.2   # (H200 host, session 17: the one-token call 0.57 ms, the tables and ops 1.1 ms: 0.4)
 
 
 class AttentionBlocks(NamedTuple):
@@ -387,14 +388,20 @@ class AttentionBlocks(NamedTuple):
 
 @torch.inference_mode()
 def _attention_blocks(sizes: Sizes, ctx: int = ATTN_CTX, n_max: int = max(ATTN_TOKENS),
-                      interleave: bool = True) -> AttentionBlocks:
+                      interleave: bool = True, native: bool | None = None) -> AttentionBlocks:
     """Attention blocks of the profile's shape as the executor runs one sequence's step on the CPU: each
     block's weights packed in a host buffer as the executor packs them (pinned when `sizes.pinned`, the
     fused `qkv.weight` view), its new keys and values written to a paged KV cache holding `ctx` tokens
     and the context read back (with `interleave`, the sequence's blocks alternate with another's, so the
     read gathers them, as a cache shared by several sequences does), cycling through more weight bytes
     than the caches hold. x [n, hidden] at positions ctx..ctx+n-1; in inference mode, as the executor
-    runs."""
+    runs: a one-token step takes the executor's one native call (`kernels.attention_decode`) where it applies
+    and `native` (default: as the executor, `SLIPSTREAM_CPU_ATTENTION_CALL`) allows; before session 17 the
+    measurement always took the tensor path, which the H200 host ran in 1.32 ms against the call's 0.57-0.77,
+    so the estimator priced the decode's CPU attention at about twice its cost."""
+    import os
+
+    from engine import kernels
     from engine.config import ModelConfig
     from engine.models.dense import attention_block, attention_mask
     from engine.models.rope import RotaryTable
@@ -426,6 +433,8 @@ def _attention_blocks(sizes: Sizes, ctx: int = ATTN_CTX, n_max: int = max(ATTN_T
         for part in pool.parts:
             part.normal_(0.0, 0.5)
     rope, gqa = RotaryTable(cfg), cfg.num_kv_heads != cfg.num_heads
+    if native is None:
+        native = os.environ.get("SLIPSTREAM_CPU_ATTENTION_CALL", "1") != "0"
     steps = {}
     for n in range(1, n_max + 1):
         steps[n] = (*rope.cos_sin(torch.arange(ctx, ctx + n), torch.device("cpu"), dt),
@@ -445,6 +454,14 @@ def _attention_blocks(sizes: Sizes, ctx: int = ATTN_CTX, n_max: int = max(ATTN_T
             return dense._attend(q, keys, values, mask, gqa)
 
         with torch.inference_mode():
+            pool = kv.pools[layer]
+            if native and n == 1 and mask is None and pool.parts is not None and not pool.fp8:
+                # the executor's one-token CPU attention: one native call where it applies
+                y = kernels.attention_decode(x, blocks[layer], cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads,
+                                             cos[0], sin[0], pool.parts[0], pool.parts[1],
+                                             kv.decode_table(seq, ctx + 1), ctx)
+                if y is not None:
+                    return y
             return attention_block(cfg, blocks[layer], x, cos, sin, None, None, None, attend=attend)
 
     return AttentionBlocks(cfg, run, nbytes, dtype, blocks, kv, seq, steps)
@@ -455,7 +472,8 @@ def attn_block_factors(sizes: Sizes, sec: dict, ctx: int = ATTN_CTX) -> dict:
     timed at one and a few new tokens over `ctx` cached ones. Returns {"factor": {n: f}, "detail": ...}:
     f scales the CPU "attn" GEMM table (in place of the FFN `block_factor`) so that the estimator's CPU
     attention sub-layer (`estimator.attention_parts_ms` plus its op overhead, from this section's rates)
-    takes the measured time; clamped to [0.5, 3]. The extra over the GEMM-table prediction is PyTorch op
+    takes the measured time; clamped to [ATTN_FACTOR_FLOOR, 3]. (The one-token block is one native call:
+    no PyTorch ops, so its factor may sit well below 1, the op overhead charged being more than it pays.) The extra over the GEMM-table prediction is PyTorch op
     overhead (the KV gather, attention, rope and norm ops) that the per-op charge does not cover."""
     from engine.sharding.estimator import NATIVE_CALLS, OPS, attention_parts_ms
     from engine.sharding.profile import ProfileDatabase
@@ -471,7 +489,7 @@ def attn_block_factors(sizes: Sizes, sec: dict, ctx: int = ATTN_CTX) -> dict:
         ms = time_host(lambda i, x=x: run(i, x), sizes.min_time_s) * 1e3
         proj, attend = attention_parts_ms(raw, "cpu", dtype, sub, n, ctx + n)
         rest = attend + raw.op_ms("cpu", OPS["cpu"]["attn"]) + NATIVE_CALLS["attn"] * raw.native_call_ms
-        factor[str(n)] = round(min(3.0, max(0.5, (ms - rest) / proj)), 4)
+        factor[str(n)] = round(min(3.0, max(ATTN_FACTOR_FLOOR, (ms - rest) / proj)), 4)
         measured[str(n)], predicted[str(n)] = round(ms, 4), round(proj + rest, 4)
     return {"factor": factor, "detail": {"ctx": ctx, "kv_heads": cfg.num_kv_heads, "measured_ms": measured,
                                          "predicted_ms": predicted}}

@@ -17,7 +17,7 @@ import torch
 from engine.sharding.measure import Sizes, _Steps, _wait, ffn_block_pass, gemv_pass, time_host
 
 
-def _copy_gbps(dst: torch.Tensor, src: torch.Tensor, stream, reps: int) -> float:
+def copy_gbps(dst: torch.Tensor, src: torch.Tensor, stream, reps: int) -> float:
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
         start.record(stream)
@@ -51,17 +51,17 @@ def link_section(sizes: Sizes, device, step: _Steps) -> dict:
     host.fill_(1)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device)
-    _copy_gbps(dev, host, stream, 1)
-    h2d = statistics.median(_copy_gbps(dev, host, stream, 2) for _ in range(3))
+    copy_gbps(dev, host, stream, 1)
+    h2d = statistics.median(copy_gbps(dev, host, stream, 2) for _ in range(3))
     step("pinned device-to-host bandwidth")
-    d2h = statistics.median(_copy_gbps(host, dev, stream, 2) for _ in range(3))
+    d2h = statistics.median(copy_gbps(host, dev, stream, 2) for _ in range(3))
     step("activation move latency")
     latency = _move_latency_us(device, sizes.hidden)
 
     step("cpu GEMV and copies at the same time")
     gemv, gemv_bytes = gemv_pass(sizes)
     cpu_alone = gemv_bytes / time_host(gemv, sizes.min_time_s) / 1e9
-    cpu_with, copy_rates = _beside_copies(gemv, gemv_bytes, cpu_alone, dev, host, stream, h2d)
+    cpu_with, copy_rates = beside_copies(gemv, gemv_bytes, cpu_alone, dev, host, stream, h2d)
     extra = {}
     block = ffn_block_pass(sizes)        # (the GPU sizes with pinned weights, as the executor keeps them)
     if block is not None:
@@ -70,7 +70,7 @@ def link_section(sizes: Sizes, device, step: _Steps) -> dict:
         fn, block_bytes = block
         alone = block_bytes / time_host(fn, sizes.min_time_s) / 1e9
         extra["cpu_block_with_copy_gbps"] = round(
-            _beside_copies(fn, block_bytes, alone, dev, host, stream, h2d)[0], 3)
+            beside_copies(fn, block_bytes, alone, dev, host, stream, h2d)[0], 3)
     del host, dev
     return {"h2d_gbps": round(h2d, 3), "d2h_gbps": round(d2h, 3),
             "h2d_with_cpu_gbps": round(statistics.median(copy_rates), 3),
@@ -79,7 +79,7 @@ def link_section(sizes: Sizes, device, step: _Steps) -> dict:
             "latency_us": round(latency, 2), **extra}
 
 
-def _beside_copies(fn, nbytes: int, alone_gbps: float, dev, host, stream, h2d: float) -> tuple[float, list[float]]:
+def beside_copies(fn, nbytes: int, alone_gbps: float, dev, host, stream, h2d: float) -> tuple[float, list[float]]:
     """(CPU GB/s of `fn` while back-to-back copies run, the copies' GB/s): copies enough to cover about ten
     CPU passes (and at least 0.2 s), CPU work until they end, three times, medians."""
     target_s = max(0.2, 10 * nbytes / (alone_gbps * 1e9))

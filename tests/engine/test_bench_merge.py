@@ -222,3 +222,69 @@ def test_weights_note_names_the_parts_whose_moe_rows_predate_the_spreading_weigh
     assert note.endswith("the qwen3-30b-a3b rows of accelerate (4GiB).")
     del parts["accelerate"]
     assert "Measured before" not in _weights_note(parts)
+
+
+def test_rates_probe_measures_the_cpu_rate_and_copies_only_beside_a_gpu():
+    from engine.bench.gpu_common import rates_probe
+
+    p = rates_probe(weight_mib=16, copy_mib=4, min_s=0.02)
+    assert p["cpu_gemv_gbps"] > 0 and p["at"]
+    assert p["steal_share"] is None or 0 <= p["steal_share"] <= 1
+    cuda = __import__("torch").cuda.is_available()
+    for k in ("cpu_gemv_with_copy_gbps", "h2d_gbps", "h2d_with_cpu_gbps"):
+        assert (p[k] is None) == (not cuda)
+
+
+def test_a_slipstream_row_keeps_the_rates_probed_before_and_after_its_engine(tmp_path, monkeypatch):
+    """`--part slipstream` (dry run: the tiny dense shape on the sim device) probes the machine's rates
+    before opening the engine and after closing it, and every row of the run keeps both."""
+    from engine.bench import gpu_suite
+
+    monkeypatch.setenv("SLIPSTREAM_BENCH_WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+    assert gpu_suite.main(["--part", "slipstream", "--dry-run", "--models", "tiny-llama", "--budgets", "2MiB,4MiB",
+                           "--out", str(out)]) == 0
+    rows = json.loads((out / "part-slipstream.json").read_text())["rows"]
+    assert [r["budget"] for r in rows] == ["2MiB", "4MiB"]
+    for r in rows:
+        before, after = r["lease_rates"]["before"], r["lease_rates"]["after"]
+        assert before["cpu_gemv_gbps"] > 0 and after["cpu_gemv_gbps"] > 0 and before["at"] <= after["at"]
+
+
+def test_decode_is_also_set_beside_the_bound_at_the_rates_its_own_lease_showed(tmp_path):
+    """The merge prices the decode bound of a Slipstream row at the mean of its probed CPU and PCIe rates
+    (the profile's elsewhere) and judges the 0.75x target against it too; a row whose probes lack the
+    copy rates (no GPU) gets no such line."""
+    from engine.bench.bound import Rates, decode_bound_tps, shape_bytes
+    from engine.bench.gguf_shapes import gguf_shape
+    from engine.bench.gpu_merge import LEASE_BOUND, _profile, ratio_table, ratios
+    from engine.bench.scenarios import SCENARIOS
+
+    def probe(cpu, cpu_copy, h2d, h2d_cpu):
+        return {"cpu_gemv_gbps": cpu, "cpu_gemv_with_copy_gbps": cpu_copy, "h2d_gbps": h2d,
+                "h2d_with_cpu_gbps": h2d_cpu}
+
+    slow = {"before": probe(60.0, 50.0, 54.0, 50.0), "after": probe(70.0, 60.0, 56.0, 52.0)}
+    out = tmp_path / "out"
+    s = Partial(out, "slipstream", machine={"gpu": "NVIDIA H200"})
+    s.add(_row("slipstream", "4GiB", 8.0, fits=True, lease_rates=slow))
+    s.add(_row("slipstream", "2GiB", 6.0, fits=True,
+               lease_rates={"before": probe(60.0, None, None, None)}))
+    s.save()
+    assert merge([out], tmp_path / "res", say=lambda m: None) == 0
+    result = json.loads((tmp_path / "res" / "results.json").read_text())
+    mine = {r["budget"]: r for r in result["rows"] if r["system"] == "slipstream"}
+    bound = {r["budget"]: r for r in result["rows"] if r["system"] == "bound"}
+    base = Rates.from_profile(_profile({})[0])
+    rates = Rates(cpu_gbps=55.0, pcie_gbps=51.0, cpu_alone_gbps=65.0, pcie_alone_gbps=55.0,
+                  hbm_gbps=base.hbm_gbps, gpu_tflops=base.gpu_tflops, cpu_tflops=base.cpu_tflops)
+    want = decode_bound_tps(shape_bytes(gguf_shape(SCENARIOS["llama3-8b"].gguf_shape)), 4 * GiB, rates)
+    assert abs(mine["4GiB"]["bound_lease_decode_tps"] - want) < 1e-9
+    assert want < bound["4GiB"]["decode_tps"]                    # a slower lease than the profile's: a lower bound
+    assert "bound_lease_decode_tps" not in mine["2GiB"]
+    got = {(r["budget"], r["against"]): r for r in result["ratios"] if r["metric"] == "decode"}
+    lease = got[("4GiB", LEASE_BOUND)]
+    assert lease["ratio"] == 8.0 / want and lease["target"] == 0.75 and lease["met"] == (8.0 / want >= 0.75)
+    assert got[("4GiB", "bound")]["ratio"] == 8.0 / bound["4GiB"]["decode_tps"]
+    assert ("2GiB", LEASE_BOUND) not in got
+    assert f"| llama3-8b | 4GiB | decode | 8.00 | {LEASE_BOUND} |" in ratio_table(ratios(result["rows"]))

@@ -88,3 +88,25 @@ def test_generation_through_the_ffn_call_matches_the_tensor_path(tiny_model, dty
         kernels.set_ffn_call(old)
     assert not any(c is not None for c in calls)
     assert tokens == tokens_off and all(torch.equal(a, b) for a, b in zip(steps, steps_off))
+
+
+def test_the_attention_call_runs_its_jobs_at_torchs_thread_count(monkeypatch):
+    """The call's matmul jobs run on the library's pool; like every other call it sets the pool to torch's
+    thread count first. Without that, a process whose first native call was this one ran it on one thread
+    (the H200 host's profile measured the one-token attention block at 7.7 ms against 0.6-0.8 for the call
+    on 16 threads, session 17)."""
+    from engine.sharding import measure
+
+    if not kernels.attention_ready():
+        pytest.skip("no native attention kernel here")
+    synced = []
+    real = kernels._sync_threads
+    monkeypatch.setattr(kernels, "_sync_threads", lambda lib: synced.append(1) or real(lib))
+    sizes = measure.Sizes(hidden=256, ffn=512, vocab=256, heads=4, head_dim=64, ctx=32, tokens=(1,), min_time_s=0.01,
+                          rotate_bytes=1 << 20, dtypes=("bfloat16",), kv_heads=2)
+    ab = measure._attention_blocks(sizes, ctx=32, n_max=1)
+    pool = ab.kv.pools[0]
+    cos, sin, _ = ab.steps[1]
+    y = kernels.attention_decode(torch.randn(1, 256, dtype=torch.bfloat16), ab.blocks[0], 1e-5, 4, 2, cos[0], sin[0],
+                                 pool.parts[0], pool.parts[1], ab.kv.decode_table(ab.seq, 33), 32)
+    assert y is not None and synced == [1]

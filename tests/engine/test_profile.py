@@ -247,7 +247,7 @@ def _slow_cpu_section() -> dict:
 def test_attention_block_measured_on_a_tiny_shape():
     """The engine's own attention block (fused qkv, paged KV gather) runs and gives sane, clamped factors."""
     out = measure.attn_block_factors(TINY, sim_profile_dict()["cpu"], ctx=32)
-    assert set(out["factor"]) == {"1", "16"} and all(0.5 <= f <= 3.0 for f in out["factor"].values())
+    assert set(out["factor"]) == {"1", "16"} and all(measure.ATTN_FACTOR_FLOOR <= f <= 3.0 for f in out["factor"].values())
     d = out["detail"]
     assert d["ctx"] == 32 and d["kv_heads"] == 2
     assert all(d["measured_ms"][n] > 0 and d["predicted_ms"][n] > 0 for n in ("1", "16"))
@@ -279,6 +279,40 @@ def test_attention_factor_makes_the_estimator_match_the_block(monkeypatch):
         assert step_costs(spec, ProfileDatabase(data), n, 32 + n).cpu_ms[attn] == pytest.approx(4.0, rel=1e-3)
     monkeypatch.setattr(measure, "time_host", lambda fn, t, min_reps=3: 1.0)     # a second: clamped
     assert measure.attn_block_factors(TINY, sec, ctx=32)["factor"] == {"1": 3.0, "16": 3.0}
+
+
+def test_the_one_token_attention_block_is_measured_as_the_executor_runs_it(monkeypatch):
+    """A one-token step of the measured block takes the executor's one native call where it applies (the
+    tensor path's bits), a 16-token one the tensor path; `native=False` (or SLIPSTREAM_CPU_ATTENTION_CALL=0,
+    the executor's switch) measures the tensor path. Before session 17 the one-token block always took the
+    tensor path, about twice the call's time on the H200 host."""
+    from engine import kernels
+
+    sizes = replace(TINY, hidden=256, head_dim=64, kv_heads=2)     # (TINY's 64 wide: too small for the call)
+    if not kernels.attention_ready():
+        pytest.skip("no native attention kernel here: the block takes the tensor path either way")
+    calls = []
+    real = kernels.attention_decode
+
+    def counted(*a, **k):
+        y = real(*a, **k)
+        calls.append(y is not None)
+        return y
+
+    monkeypatch.setattr(kernels, "attention_decode", counted)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    torch.manual_seed(5)                                  # (the blocks' random weights and cache: the same twice)
+    native = measure._attention_blocks(sizes, ctx=32).run(0, x)
+    assert calls == [True] and native.shape == (1, 256)
+    n_native = len(calls)
+    torch.manual_seed(5)
+    tensor = measure._attention_blocks(sizes, ctx=32, native=False).run(0, x)
+    assert len(calls) == n_native and torch.equal(native, tensor)
+    measure._attention_blocks(sizes, ctx=32).run(0, torch.randn(16, 256, dtype=torch.bfloat16))
+    assert len(calls) == n_native
+    monkeypatch.setenv("SLIPSTREAM_CPU_ATTENTION_CALL", "0")
+    measure._attention_blocks(sizes, ctx=32).run(0, x)
+    assert len(calls) == n_native
 
 
 def test_attention_factor_replaces_the_ffn_factor_for_the_attn_table_only():
