@@ -512,12 +512,25 @@ static struct {
     unsigned start_gen;          /* gen when the workers were created: a job may be posted before they run */
 } pool = {0, {0}, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, NULL, NULL, 0, 20000, 0};
 
+#ifdef SL_POOL_TEST
+/* Test builds only (tests/engine/test_pool_race.py): stalls that hold the pool's race windows open. A worker
+ * that finds every chunk of its job claimed waits `worker_stall_us` before it compares again; the caller
+ * waits `post_stall_us` between setting a new job's fields and publishing its counter. */
+#include <unistd.h>
+static atomic_int test_worker_stall_us, test_post_stall_us;
+static __thread int pool_worker;
+#endif
+
 /* Claim and run chunks of job `job_no` until none is left (or another job is current). */
 static void run_chunks(unsigned job_no) {
     for (;;) {
         unsigned long long v = atomic_load_explicit(&pool.next, memory_order_acquire);
         if ((unsigned)(v >> 32) != job_no) return;
         int64_t c = (int64_t)(v & 0xffffffffu);
+#ifdef SL_POOL_TEST
+        if (pool_worker && c >= pool.chunks && atomic_load(&test_worker_stall_us))
+            usleep((useconds_t)atomic_load(&test_worker_stall_us));
+#endif
         if (c >= pool.chunks) return;
         if (!atomic_compare_exchange_weak_explicit(&pool.next, &v, v + 1, memory_order_acq_rel,
                                                    memory_order_acquire))
@@ -530,6 +543,9 @@ static void run_chunks(unsigned job_no) {
 
 static void *worker(void *arg) {
     (void)arg;
+#ifdef SL_POOL_TEST
+    pool_worker = 1;
+#endif
     unsigned seen = pool.start_gen;
     for (;;) {
         int spins = 0;
@@ -592,6 +608,9 @@ static void run_pool(void (*task)(const void *, int64_t), const void *arg, int64
     pool.arg = arg;
     pool.chunks = chunks;
     atomic_store_explicit(&pool.done, 0, memory_order_relaxed);
+#ifdef SL_POOL_TEST
+    if (atomic_load(&test_post_stall_us)) usleep((useconds_t)atomic_load(&test_post_stall_us));
+#endif
     atomic_store_explicit(&pool.next, (unsigned long long)job_no << 32, memory_order_release);
     pthread_mutex_lock(&pool.mu);
     atomic_store_explicit(&pool.gen, job_no, memory_order_release);
@@ -1616,3 +1635,41 @@ int sl_isa(void) {
     return 0;
 #endif
 }
+
+#ifdef SL_POOL_TEST
+typedef struct {
+    int64_t chunks;
+    atomic_int *hits, *bad;
+} pool_test_job;
+
+static void pool_test_chunk(const void *arg, int64_t c) {
+    const pool_test_job *t = (const pool_test_job *)arg;
+    if (c < 0 || c >= t->chunks) atomic_fetch_add(t->bad, 1);
+    else atomic_fetch_add(&t->hits[c], 1);
+}
+
+/* `jobs` pool jobs on `threads` threads, alternating one chunk and `big` chunks, with the stalls above; returns
+ * how many chunks ran other than exactly once in their own job (twice, never, or past its end). */
+int sl_pool_test(int threads, int jobs, int big, int worker_stall_us, int post_stall_us) {
+    if (threads < 2 || jobs < 1 || big < 2) return -1;
+    sl_set_threads(threads, 2000);
+    atomic_store(&test_worker_stall_us, worker_stall_us);
+    atomic_store(&test_post_stall_us, post_stall_us);
+    static atomic_int bad;
+    atomic_store(&bad, 0);
+    int errors = 0;
+    for (int i = 0; i < jobs; i++) {
+        const int64_t n = i % 2 ? big : 1;
+        atomic_int *hits = calloc((size_t)big, sizeof(atomic_int));
+        if (!hits) return -1;
+        pool_test_job t = {n, hits, &bad};
+        run_pool(pool_test_chunk, &t, n);
+        if (n > 1) usleep((useconds_t)(2 * worker_stall_us + 1000));   /* a chunk run late still finds `hits` */
+        for (int64_t k = 0; k < n; k++) errors += atomic_load(&hits[k]) != 1;
+        free(hits);
+    }
+    atomic_store(&test_worker_stall_us, 0);
+    atomic_store(&test_post_stall_us, 0);
+    return errors + atomic_load(&bad);
+}
+#endif
