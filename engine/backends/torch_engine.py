@@ -427,6 +427,15 @@ class TorchEngine(Engine):
             with self._lock:
                 self._set_budget_now(self.budget, f"force_plan {kind}")
 
+    def use_profile(self, prof) -> None:
+        """Plan from `prof` (a ProfileDatabase) from now on, re-planning at once (benchmarks compare two
+        profiles' plans in one engine, which takes the lease and the process out of the comparison)."""
+        self._require_open()
+        with self._lock:
+            self._profile, self._planner = prof, None
+            if self.planset is not None:
+                self._set_budget_now(self.budget, "profile changed")
+
     def plan_report(self) -> dict:
         self._require_open()
         rep = self.planset.report()

@@ -30,3 +30,31 @@ def test_refine_contention_runs_each_mode_and_the_refinement_finishes(tmp_path):
         assert (r["refined_after_s"] is None) == (r["mode"] == "none")
     assert set(report["summary"]) == set(refine_contention.MODES)
     assert torch_engine.REFINE_YIELD            # put back after the no-yield mode
+
+
+def test_decode_runs_take_turns_planning_from_two_profiles_in_one_engine(tmp_path):
+    """`--profiles A,B`: the runs alternate between the two files' plans in one engine (a re-plan at each
+    switch), so the second profile, whose CPU matmuls are 20x slower, gives its runs slower plans."""
+    from engine.bench import decode_runs
+    from engine.sharding.profile import sim_profile_dict
+    from engine.sharding.profile_store import SCHEMA
+
+    fast = sim_profile_dict()
+    slow = sim_profile_dict()
+    for table in slow["cpu"]["gemm"].values():
+        for rows in table.values():
+            for row in rows:
+                row[1] /= 20
+    files = []
+    for name, entry in (("fast", fast), ("slow", slow)):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps({"schema": SCHEMA, "profiles": {name: entry}}))
+        files.append(str(f))
+    assert decode_runs.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--runs", "4",
+                             "--tokens", "4", "--profiles", ",".join(files), "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode_runs.json").read_text())
+    rows = report["rows"]
+    assert report["profiles"] == files and [r["profile"] for r in rows] == files * 2
+    fast_ms = {r["plan"]["predicted_ms"] for r in rows if r["profile"] == files[0]}
+    slow_ms = {r["plan"]["predicted_ms"] for r in rows if r["profile"] == files[1]}
+    assert fast_ms and slow_ms and fast_ms.isdisjoint(slow_ms) and min(slow_ms) > max(fast_ms)
