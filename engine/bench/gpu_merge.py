@@ -301,16 +301,40 @@ def corun_table(corun: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def probe_lines(parts: dict) -> str:
+def probe_lines(parts: dict, rows: list[dict] = ()) -> str:
     """How fast each part's lease was when it started (parts recorded before the probe existed: none)."""
     lines = [f"- {name}: " + "; ".join(f"{p.get('at', '?')[:16]} CPU {p.get('cpu_gemv_gbps')} GB/s, host->GPU "
                                        f"{p.get('h2d_gbps')} GB/s, steal {p.get('steal_share')}" for p in probes)
              for name, info in sorted(parts.items()) if (probes := info.get("lease_probes"))]
-    if not lines:
+    rates = rate_probe_lines(rows)
+    if not lines and not rates:
         return ""
     return ("## Leases\n\nLent machines differ from lease to lease; each part's run starts with a two-second "
             "probe (`engine.bench.gpu_common.lease_probe`): one-token bf16 matmuls over 1 GiB on the CPU, "
-            "pinned host->GPU copies, the CPU time the hypervisor stole.\n\n" + "\n".join(lines) + "\n\n")
+            "pinned host->GPU copies, the CPU time the hypervisor stole.\n\n" + "\n".join(lines) + "\n\n"
+            + (("Slipstream's rows also probe the rates the bound takes, before their engine opens and after it "
+                "closes (`engine.bench.gpu_common.rates_probe`; GB/s alone / beside the other):\n\n" + "\n".join(rates)
+                + "\n\n") if rates else ""))
+
+
+def rate_probe_lines(rows: list[dict]) -> list[str]:
+    """One line per Slipstream run with rate probes (its rows share them): the model, its budgets, and the
+    CPU and host->GPU rates alone and beside each other, before and after."""
+    runs: dict[str, dict] = {}
+    for r in rows:
+        probes = (r.get("lease_rates") or {}) if r.get("system") == "slipstream" else {}
+        before = probes.get("before") or {}
+        if not before.get("at"):
+            continue
+        run = runs.setdefault(f"{r['model']} {before['at']}", {"probes": probes, "budgets": []})
+        run["budgets"].append(r["budget"])
+
+    def one(p: dict) -> str:
+        return (f"{p.get('at', '?')[11:16]} CPU {p.get('cpu_gemv_gbps')} / {p.get('cpu_gemv_with_copy_gbps')}, host->GPU "
+                f"{p.get('h2d_gbps')} / {p.get('h2d_with_cpu_gbps')}, steal {p.get('steal_share')}")
+    return [f"- {key.split()[0]} ({', '.join(run['budgets'])}), {key.split()[1][:10]}: before {one(run['probes']['before'])}"
+            + (f"; after {one(run['probes']['after'])}" if run["probes"].get("after") else "")
+            for key, run in runs.items()]
 
 
 def markdown(result: dict) -> str:
@@ -326,7 +350,7 @@ def markdown(result: dict) -> str:
             f"## Vision-language (Qwen2.5-VL-7B shape, one 2560x1440 image)\n\n{VL_NOTE}\n\n"
             f"{vl_table(result.get('vl') or [])}\n\n"
             f"## Co-run (game stand-in on the same GPU)\n\n{corun_table(result['corun'])}\n\n"
-            f"{probe_lines(result.get('parts') or {})}"
+            f"{probe_lines(result.get('parts') or {}, result.get('rows') or [])}"
             f"## Other GPU runs (issues 7 and 8; docs/benchmarks/README.md explains them)\n\n"
             f"{related_table(result.get('related') or [])}\n\n"
             "Plots: `results_decode.png`, `results_prefill.png`, `results_ttft.png` (time to first token), "

@@ -267,6 +267,7 @@ def test_decode_is_also_set_beside_the_bound_at_the_rates_its_own_lease_showed(t
     slow = {"before": probe(60.0, 50.0, 54.0, 50.0), "after": probe(70.0, 60.0, 56.0, 52.0)}
     out = tmp_path / "out"
     s = Partial(out, "slipstream", machine={"gpu": "NVIDIA H200"})
+    slow["before"]["at"], slow["after"]["at"] = "2026-11-30T16:36:10+00:00", "2026-11-30T16:38:40+00:00"
     s.add(_row("slipstream", "4GiB", 8.0, fits=True, lease_rates=slow))
     s.add(_row("slipstream", "2GiB", 6.0, fits=True,
                lease_rates={"before": probe(60.0, None, None, None)}))
@@ -288,3 +289,6 @@ def test_decode_is_also_set_beside_the_bound_at_the_rates_its_own_lease_showed(t
     assert got[("4GiB", "bound")]["ratio"] == 8.0 / bound["4GiB"]["decode_tps"]
     assert ("2GiB", LEASE_BOUND) not in got
     assert f"| llama3-8b | 4GiB | decode | 8.00 | {LEASE_BOUND} |" in ratio_table(ratios(result["rows"]))
+    md = (tmp_path / "res" / "results.md").read_text()
+    assert ("- llama3-8b (4GiB), 2026-11-30: before 16:36 CPU 60.0 / 50.0, host->GPU 54.0 / 50.0, steal None; "
+            "after 16:38 CPU 70.0 / 60.0, host->GPU 56.0 / 52.0, steal None") in md
