@@ -94,7 +94,11 @@ def _build() -> Path:
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + cc.encode() + _cpu_features().encode() + sys.platform.encode()).hexdigest()[:16]
+    # SLIPSTREAM_KERNEL_DEBUG=1: the same optimised build with debug information (a crash's address then
+    # names a source line: addr2line -e <library> <offset>), cached apart
+    debug = ["-g"] if os.environ.get("SLIPSTREAM_KERNEL_DEBUG", "") == "1" else []
+    key = hashlib.sha256(src + cc.encode() + _cpu_features().encode() + sys.platform.encode()
+                         + " ".join(debug).encode()).hexdigest()[:16]
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
     out = _cache_dir() / f"cpu_linear-{key}{suffix}"
     if out.exists():
@@ -104,7 +108,7 @@ def _build() -> Path:
     for arch in (["-march=native"], ["-mcpu=native"], []):
         with tempfile.NamedTemporaryFile(dir=out.parent, suffix=suffix, delete=False) as tmp:
             tmp_path = Path(tmp.name)
-        cmd = [cc, "-O3", *arch, "-shared", "-fPIC", "-pthread", "-o", str(tmp_path), str(SOURCE), "-lm"]
+        cmd = [cc, "-O3", *debug, *arch, "-shared", "-fPIC", "-pthread", "-o", str(tmp_path), str(SOURCE), "-lm"]
         try:
             r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as e:

@@ -125,6 +125,19 @@ def test_without_a_compiler_falls_back_with_a_reason(tmp_path):
 
 
 @needs_kernel
+def test_a_debug_build_is_cached_apart_and_carries_line_information(tmp_path, monkeypatch):
+    """SLIPSTREAM_KERNEL_DEBUG=1 builds the same optimised library with debug information (a crash's offset
+    then names a source line), under its own cache key; without it the plain build is used."""
+    monkeypatch.setenv("SLIPSTREAM_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("SLIPSTREAM_KERNEL_DEBUG", raising=False)
+    plain = kernels._build()
+    monkeypatch.setenv("SLIPSTREAM_KERNEL_DEBUG", "1")
+    debug = kernels._build()
+    assert debug != plain and debug.exists() and plain.exists()
+    assert b".debug_info" in debug.read_bytes() and b".debug_info" not in plain.read_bytes()
+
+
+@needs_kernel
 def test_concurrent_callers_all_get_right_answers():
     """The native pool runs one job at a time; a caller that finds it busy gets PyTorch's result, never a
     mixed one."""

@@ -8,7 +8,8 @@
 # from dmesg's offset into the library (addr2line, objdump). Copy this and call AA's profile
 # (gpu/session17/callaa/x/profile.json, as h200-profile-new.json) into carry/.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site carry/*.whl 2>/dev/null
-export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PYTHONFAULTHANDLER=1 SLIPSTREAM_KERNEL_CACHE=/tmp/callcc/kernels
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PYTHONFAULTHANDLER=1 SLIPSTREAM_KERNEL_CACHE=/tmp/callcc/kernels \
+  SLIPSTREAM_KERNEL_DEBUG=1     # (the library with line information: addr2line names the source line)
 W=/tmp/callcc; mkdir -p $W
 T0=$(date +%s)
 step() { echo "=== $1 ($(( $(date +%s) - T0 )) s)"; }
@@ -16,7 +17,7 @@ where() {   # name the library's faulting instruction from the newest dmesg line
   line=$(dmesg 2>/dev/null | grep "cpu_linear-" | tail -1); [ -z "$line" ] && return
   echo "dmesg: $line"
   so=$(ls $W/kernels/cpu_linear-*.so | head -1); off=$(echo "$line" | sed -n 's/.*\.so\[\([0-9a-f]*\),.*/\1/p')
-  [ -n "$off" ] && addr2line -f -e "$so" 0x$off && objdump -d --no-show-raw-insn --start-address=$((0x$off - 48)) \
+  [ -n "$off" ] && addr2line -f -i -e "$so" 0x$off && objdump -d --no-show-raw-insn --start-address=$((0x$off - 48)) \
     --stop-address=$((0x$off + 16)) "$so" | tail -16
 }
 run() {   # $1 label, $2 profile, then env assignments
