@@ -372,7 +372,9 @@ def ffn_block_factors(sizes: Sizes, gemm: dict, op_us: float) -> dict[str, float
 
 ATTN_CTX = 256          # cached tokens of the attention block measurement (a short decode context)
 ATTN_TOKENS = (1, 16)   # new tokens per measured attention step
-ATTN_FACTOR_FLOOR = 0.2   # (H200 host, session 17: the one-token call 0.57 ms, the tables and ops 1.1 ms: 0.4)
+# (H200 host, session 17: the one-token call took 0.57-0.93 ms where the tables price 0.85 ms of projections
+# and charge 0.22 ms of ops and calls it does not make: factors of 0.4-0.83)
+ATTN_FACTOR_FLOOR = 0.2
 
 
 class AttentionBlocks(NamedTuple):
@@ -472,9 +474,10 @@ def attn_block_factors(sizes: Sizes, sec: dict, ctx: int = ATTN_CTX) -> dict:
     timed at one and a few new tokens over `ctx` cached ones. Returns {"factor": {n: f}, "detail": ...}:
     f scales the CPU "attn" GEMM table (in place of the FFN `block_factor`) so that the estimator's CPU
     attention sub-layer (`estimator.attention_parts_ms` plus its op overhead, from this section's rates)
-    takes the measured time; clamped to [ATTN_FACTOR_FLOOR, 3]. (The one-token block is one native call:
-    no PyTorch ops, so its factor may sit well below 1, the op overhead charged being more than it pays.) The extra over the GEMM-table prediction is PyTorch op
-    overhead (the KV gather, attention, rope and norm ops) that the per-op charge does not cover."""
+    takes the measured time; clamped to [ATTN_FACTOR_FLOOR, 3]. Over several tokens (the tensor path) the
+    extra over the GEMM-table prediction is PyTorch op overhead (the KV gather, attention, rope and norm ops)
+    that the per-op charge does not cover; a one-token block is one native call that pays none of the
+    charged ops, so its factor may sit well below 1."""
     from engine.sharding.estimator import NATIVE_CALLS, OPS, attention_parts_ms
     from engine.sharding.profile import ProfileDatabase
     from engine.sharding.spec import ModelSpec
