@@ -320,21 +320,21 @@ def probe_lines(parts: dict, rows: list[dict] = ()) -> str:
 def rate_probe_lines(rows: list[dict]) -> list[str]:
     """One line per Slipstream run with rate probes (its rows share them): the model, its budgets, and the
     CPU and host->GPU rates alone and beside each other, before and after."""
-    runs: dict[str, dict] = {}
+    runs: dict[tuple[str, str], dict] = {}      # (model, when the run's first probe ran) -> its probes, budgets
     for r in rows:
         probes = (r.get("lease_rates") or {}) if r.get("system") == "slipstream" else {}
         before = probes.get("before") or {}
         if not before.get("at"):
             continue
-        run = runs.setdefault(f"{r['model']} {before['at']}", {"probes": probes, "budgets": []})
+        run = runs.setdefault((r["model"], before["at"]), {"probes": probes, "budgets": []})
         run["budgets"].append(r["budget"])
 
     def one(p: dict) -> str:
         return (f"{p.get('at', '?')[11:16]} CPU {p.get('cpu_gemv_gbps')} / {p.get('cpu_gemv_with_copy_gbps')}, host->GPU "
                 f"{p.get('h2d_gbps')} / {p.get('h2d_with_cpu_gbps')}, steal {p.get('steal_share')}")
-    return [f"- {key.split()[0]} ({', '.join(run['budgets'])}), {key.split()[1][:10]}: before {one(run['probes']['before'])}"
+    return [f"- {model} ({', '.join(run['budgets'])}), {at[:10]}: before {one(run['probes']['before'])}"
             + (f"; after {one(run['probes']['after'])}" if run["probes"].get("after") else "")
-            for key, run in runs.items()]
+            for (model, at), run in runs.items()]
 
 
 def markdown(result: dict) -> str:
