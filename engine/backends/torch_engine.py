@@ -516,12 +516,28 @@ class TorchEngine(Engine):
                     kv.truncate(it.seq, length)
                 if self.accel is None or self.budget == 0:
                     raise BudgetError(f"out of memory even with nothing on the GPU: {exc}") from exc
-                smaller = int(self.budget * 0.75) if attempt < 6 else 0
-                self._set_budget_now(smaller, f"out of memory ({exc.__class__.__name__}); retrying")
+                self._back_off(exc, attempt)
                 if self._oom_retries > 0 and self._wanted_budget > self.budget:
                     self._oom_retries -= 1
                     self._retry_wanted = True
         raise BudgetError("could not run a step within any budget")
+
+    def _back_off(self, exc: Exception, attempt: int) -> None:
+        """Re-plan at three quarters of the budget after `exc` (an out-of-memory or over-budget step; from
+        the seventh attempt, at nothing on the GPU). A re-plan can run short itself (its KV cut comes before
+        any weight leaves, and the allocator may hold blocks it cannot give back yet): then a smaller one is
+        tried (after three failed, nothing on the GPU, which takes no VRAM)."""
+        budget = self.budget
+        for tries in range(5):
+            budget = int(budget * 0.75) if attempt < 6 and tries < 3 else 0
+            try:
+                self._set_budget_now(budget, f"out of memory ({exc.__class__.__name__}); retrying")
+                return
+            except (torch.OutOfMemoryError, OutOfBudgetError) as again:
+                if budget == 0:
+                    raise BudgetError(f"out of memory even with nothing on the GPU: {again}") from again
+                exc = again
+        raise BudgetError("could not re-plan within any budget")
 
     def _retry_budget(self) -> None:
         """At a request's start: an out-of-memory back-off is not kept for good, the request tries the

@@ -11,7 +11,8 @@ the re-plans made during the run and their reasons, the weight bytes copied and 
 counters. With `--poll-s`, every other run has an NVML poller of that interval beside it, as the suite's
 runs have. With `--profiles A,B`, the runs take turns planning from the profile files given, in this one
 engine (`TorchEngine.use_profile`, then one short warm-up run): an A/B of two profiles' plans that no lease or
-process difference enters. Prints a table and writes decode_runs.json.
+process difference enters. `--threads A,B` does the same for the CPU thread counts (torch's, which the native
+pool follows), under one plan. Prints a table and writes decode_runs.json.
 """
 
 from __future__ import annotations
@@ -62,12 +63,30 @@ def main(argv: list[str] | None = None) -> int:
                     help="every other run beside an NVML poller of this interval (the suite's: 0.02)")
     ap.add_argument("--profiles", default="",
                     help="profile database files the runs take turns planning from (comma-separated)")
+    ap.add_argument("--threads", default="",
+                    help="CPU thread counts the runs take turns at (comma-separated; torch's and the native pool's)")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
+    import torch
+
+    threads = [int(t) for t in args.threads.split(",") if t]
+    if any(t < 1 for t in threads):
+        ap.error(f"--threads {args.threads}: thread counts must be at least 1")
     from engine.commands.plan import profile_from_file
 
     names = [p for p in args.profiles.split(",") if p]
     profiles = [profile_from_file(p) for p in names]
+
+    threads0 = torch.get_num_threads()
+    try:
+        return _runs(args, names, profiles, threads, argv)
+    finally:
+        torch.set_num_threads(threads0)
+
+
+def _runs(args, names, profiles, threads, argv) -> int:
+    import torch
+
     from engine.bench.scenarios import DRY_SCENARIOS, PROMPTS, SCENARIOS
     from engine.bench.slipstream_runs import _empty_cache, open_engine, prefill_tps
 
@@ -87,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         if profiles:
             eng.use_profile(profiles[i % len(profiles)])
             one_run(eng, 90 + i, salt, 4)               # (the switch's weight moves out of the timed run)
+        if threads:
+            torch.set_num_threads(threads[i % len(threads)])
+            one_run(eng, 190 + i, salt, 4)              # (the pool restarts at its first call)
         polled = bool(args.poll_s) and i % 2 == 1
         if polled:            # as the suite samples this process's VRAM beside its runs
             from engine.bench.vram_poll import VramPoller
@@ -97,18 +119,19 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(one_run(eng, 3 + i, salt, args.tokens))
         rows[-1]["nvml_poll_s"] = args.poll_s if polled else None
         rows[-1]["profile"] = names[i % len(names)] if names else None
-    print("| run | profile | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+        rows[-1]["threads"] = torch.get_num_threads()
+    print("| run | profile | threads | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["token_ms"]
         copied = (r["counters"]["streamed_bytes"] or 0) / max(len(t) + 1, 1) / 2**20
-        print(f"| {r['run']} | {Path(r['profile']).name if r['profile'] else '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
+        print(f"| {r['run']} | {Path(r['profile']).name if r['profile'] else '-'} | {r['threads']} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
               f"{statistics.median(t):.1f} | {max(t):.1f} | "
               f"{r['plan']['tier']}/{r['plan']['kind']} {r['plan']['predicted_ms']:.1f} | {r['kv_tokens']} | "
               f"{'; '.join(x['reason'] for x in r['replans']) or '-'} | {copied:.1f} |", flush=True)
     eng.close()
     path = write_report(args.out, "decode_runs", {"shape": args.shape, "budget": args.budget, "device": args.device,
-                                                  "profiles": names, "rows": rows},
+                                                  "profiles": names, "threads": threads, "rows": rows},
                         "python -m engine.bench.decode_runs " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"wrote {path}")
     return 0

@@ -176,10 +176,54 @@ def _best_llamacpp(rows: list[dict], key: str) -> dict | None:
     return max(ok, key=lambda r: r[key], default=None)
 
 
-def ratios(rows: list[dict]) -> list[dict]:
+def load_pairs(folders: list[Path]) -> list[dict]:
+    """The one-lease pairs (`engine.bench.same_lease`) of the first folder that has a same-lease.json."""
+    for d in folders:
+        f = Path(d) / "same-lease.json"
+        if f.is_file():
+            try:
+                return json.loads(f.read_text()).get("pairs", [])
+            except (OSError, json.JSONDecodeError):
+                return []
+    return []
+
+
+ONE_LEASE = "one lease"
+# (metric, label, against: "best llama.cpp" or a llama.cpp system) set beside each one-lease pair
+ONE_LEASE_METRICS = (("decode_tps", "decode", "best llama.cpp"), ("prefill512_tps", "prefill 512", "best llama.cpp"),
+                     ("prefill512_tps", "prefill 512", "llama.cpp-default"))
+
+
+def pair_ratios(pairs: list[dict]) -> list[dict]:
+    """Each one-lease pair's Slipstream figure against llama.cpp rows of the same lease (the best that fit,
+    and llama.cpp-default for the 512-token prefill), with the issue's targets where the pair is at the
+    targeted model and budget."""
+    from engine.bench.same_lease import best_llamacpp, slipstream_row
+
+    out = []
+    for p in pairs:
+        ss = slipstream_row(p)
+        for key, label, against in ONE_LEASE_METRICS:
+            peer = (best_llamacpp(p, key) if against == "best llama.cpp" else
+                    next((r for r in p["rows"] if r["system"] == against and r.get("fits") is not False), None))
+            mine, theirs = ss.get(key), None if peer is None else peer.get(key)
+            if mine is None:
+                continue
+            ratio = mine / theirs if theirs else None
+            target = next((t[2] for t in TARGETS if (p["model"], p["budget"]) == TARGET_AT and t[0] == key
+                           and t[1] == against), None)
+            out.append({"model": p["model"], "budget": p["budget"], "metric": label, "slipstream": mine,
+                        "against": f"{against}, {ONE_LEASE} ({p['call']})",
+                        "peer_system": None if peer is None else peer["system"],
+                        "peer": theirs, "ratio": ratio, "target": target,
+                        "met": None if target is None or ratio is None else ratio >= target})
+    return out
+
+
+def ratios(rows: list[dict], pairs: list[dict] = ()) -> list[dict]:
     """Per model and budget: Slipstream's figure against the best fitting llama.cpp row for each metric,
     the issue's targets where they apply (met or missed), and whether Slipstream's whole process stayed
-    within the budget."""
+    within the budget; then the one-lease pairs' ratios (`pair_ratios`) after their model and budget."""
     out = []
     for (model, budget) in dict.fromkeys((r["model"], r["budget"]) for r in rows):
         group = [r for r in rows if r["model"] == model and r["budget"] == budget]
@@ -207,6 +251,7 @@ def ratios(rows: list[dict]) -> list[dict]:
                             "against": name, "peer_system": None if peer is None else peer["system"],
                             "peer": theirs, "ratio": ratio, "target": target,
                             "met": None if target is None or ratio is None else ratio >= target})
+        out += pair_ratios([p for p in pairs if (p["model"], p["budget"]) == (model, budget)])
         peak = ss.get("peak_vram_bytes")
         out.append({"model": model, "budget": budget, "metric": "peak VRAM within the budget",
                     "slipstream": peak, "against": "budget", "peer_system": None, "peer": ss.get("budget_bytes"),
@@ -347,6 +392,7 @@ def markdown(result: dict) -> str:
             f"issue sets a target, llama.cpp-default and the bound); targets apply to {TARGET_AT[0]} at "
             f"{TARGET_AT[1]}, other rows are reported.{beyond_bound(result.get('ratios') or [])}"
             f"\n\n{ratio_table(result.get('ratios') or [])}\n\n"
+            f"{one_lease_section(result.get('one_lease') or [])}"
             f"## Vision-language (Qwen2.5-VL-7B shape, one 2560x1440 image)\n\n{VL_NOTE}\n\n"
             f"{vl_table(result.get('vl') or [])}\n\n"
             f"## Co-run (game stand-in on the same GPU)\n\n{corun_table(result['corun'])}\n\n"
@@ -355,6 +401,40 @@ def markdown(result: dict) -> str:
             f"{related_table(result.get('related') or [])}\n\n"
             "Plots: `results_decode.png`, `results_prefill.png`, `results_ttft.png` (time to first token), "
             "`corun_timeline.png`.\n")
+
+
+def one_lease_section(pairs: list[dict]) -> str:
+    """The one-lease pairs as a table (empty where there are none)."""
+    if not pairs:
+        return ""
+    from engine.bench.same_lease import best_llamacpp, slipstream_row
+
+    intro = ("The rows above set Slipstream's latest runs beside llama.cpp rows measured on earlier leases. Each "
+             "pair here is both systems' rows of one model and budget from one lease (one device call, or calls "
+             "while the device tool held the lease), so no lease difference enters the ratio "
+             "(`python -m engine.bench.same_lease`; `gpu/issue6/same-lease.json`).")
+    header = ("| call | model | budget | Slipstream decode t/s (runs) | llama.cpp decode t/s (default / tuned) | "
+              "decode ratio | prefill 512 t/s (Slipstream / default / tuned) | peak VRAM GiB (Slipstream / "
+              "default / tuned) |")
+    lines = ["## One lease: Slipstream and llama.cpp measured on the same lent machine", "", intro, "", header,
+             "|---|---|---|---|---|---:|---|---|"]
+    for p in pairs:
+        ss = slipstream_row(p)
+        by = {}
+        for r in sorted(p["rows"], key=lambda r: r.get("fits") is not False):   # (a row that fit wins)
+            by[r["system"]] = r
+        d, t = by.get("llama.cpp-default", {}), by.get("llama.cpp-tuned", {})
+        best = best_llamacpp(p, "decode_tps")
+        ratio = ss["decode_tps"] / best["decode_tps"] if best and best.get("decode_tps") else None
+        runs = ", ".join(f"{x:.2f}" for x in ss.get("decode_tps_runs") or [])
+        lines.append(f"| {p['call']} | {p['model']} | {p['budget']} | {_num(ss.get('decode_tps'))}"
+                     f"{f' ({runs})' if runs else ''} | "
+                     f"{_num(d.get('decode_tps'))} / {_num(t.get('decode_tps'))} | "
+                     f"{'-' if ratio is None else f'{ratio:.2f}x'} | {_num(ss.get('prefill512_tps'))} / "
+                     f"{_num(d.get('prefill512_tps'))} / {_num(t.get('prefill512_tps'))} | "
+                     f"{_gib(ss.get('peak_vram_bytes'))} / {_gib(d.get('peak_vram_bytes'))} / "
+                     f"{_gib(t.get('peak_vram_bytes'))} |")
+    return "\n".join(lines) + "\n\n"
 
 
 VL_NOTE = ("Random bf16 weights of the shape, the same in both systems; a short question about one synthetic "
@@ -497,7 +577,9 @@ def merge(folders: list[Path], out: Path, dry_run: bool = False, say=print) -> i
                      "which a MoE router sends to a few experts (a real prompt, and llama-bench's random tokens, "
                      "touch them all); the raw figures stay in the part file as prefill*_tps_repeated_prompt.")
     vl = [r for r in parts.get("vl", {}).get("rows", []) if not r.get("pending")]
-    result = {"machine": machine, "date": now_iso(), "rows": rows, "ratios": ratios(rows), "corun": corun, "vl": vl,
+    pairs = load_pairs(folders)
+    result = {"machine": machine, "date": now_iso(), "rows": rows, "ratios": ratios(rows, pairs), "corun": corun,
+              "vl": vl, "one_lease": pairs,
               "notes": notes,
               "related": related(out),
               "parts": {n: {k: p.get(k) for k in ("started", "updated")}

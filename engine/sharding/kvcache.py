@@ -321,14 +321,17 @@ class PagedKVCache:
         if new_bytes > old_bytes:
             self.accel.book(new_bytes - old_bytes, "kv", f"KV cache of layer {layer}")
         try:
-            # Host pools are pinned beside a GPU: attention streamed over a host-resident KV cache copies
-            # straight between them and the GPU without blocking the host.
-            pin = self._pinned and not on_gpu
-            parts = [torch.empty((n_blocks, *shape), dtype=dt, device=device, pin_memory=pin)
-                     for shape, dt in pool.part_specs()]
+            parts = self._new_parts(pool, n_blocks, on_gpu, device)
         except torch.OutOfMemoryError:
             if new_bytes > old_bytes:
                 self.accel.unbook(new_bytes - old_bytes, "kv")
+            if on_gpu and pool.on_gpu and n_blocks <= pool.capacity:
+                # A GPU pool cut down while VRAM is short (the re-plan after an out-of-memory cuts the KV
+                # before the weights leave) cannot take new VRAM to shrink into: it moves to host memory,
+                # and the plan's activation brings it back once the weights leaving have made room (an
+                # attention finding its pool on the wrong side moves it too). Nothing written is lost.
+                self._resize(layer, pool, n_blocks, False)
+                return
             raise
         for b in range(keep):  # block by block, so a move never needs a second whole copy in flight
             for new_part, old_part in zip(parts, old_parts):
@@ -341,6 +344,13 @@ class PagedKVCache:
         pool.parts, pool.on_gpu = parts, on_gpu
         if old_bytes > new_bytes:
             self.accel.unbook(old_bytes - new_bytes, "kv")
+
+    def _new_parts(self, pool: LayerPool, n_blocks: int, on_gpu: bool, device) -> list[torch.Tensor]:
+        # Host pools are pinned beside a GPU: attention streamed over a host-resident KV cache copies
+        # straight between them and the GPU without blocking the host.
+        pin = self._pinned and not on_gpu
+        return [torch.empty((n_blocks, *shape), dtype=dt, device=device, pin_memory=pin)
+                for shape, dt in pool.part_specs()]
 
     def _alloc_blocks(self, n: int) -> list[int]:
         """`n` blocks for new contents: free ones first (lowest ids), then cached ones least recently

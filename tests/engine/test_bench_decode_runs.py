@@ -58,3 +58,20 @@ def test_decode_runs_take_turns_planning_from_two_profiles_in_one_engine(tmp_pat
     fast_ms = {r["plan"]["predicted_ms"] for r in rows if r["profile"] == files[0]}
     slow_ms = {r["plan"]["predicted_ms"] for r in rows if r["profile"] == files[1]}
     assert fast_ms and slow_ms and fast_ms.isdisjoint(slow_ms) and min(slow_ms) > max(fast_ms)
+
+
+def test_decode_runs_take_turns_at_thread_counts_and_put_torch_back(tmp_path):
+    """`--threads A,B`: the runs alternate between the CPU thread counts (each recorded with its run) under
+    one plan, and torch's thread count is what it was afterwards."""
+    import torch
+
+    from engine.bench import decode_runs
+
+    before = torch.get_num_threads()
+    assert decode_runs.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--runs", "4",
+                             "--tokens", "4", "--threads", "2,1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode_runs.json").read_text())
+    assert report["threads"] == [2, 1]
+    assert [r["threads"] for r in report["rows"]] == [2, 1, 2, 1]
+    assert len({r["plan"]["predicted_ms"] for r in report["rows"]}) == 1
+    assert torch.get_num_threads() == before

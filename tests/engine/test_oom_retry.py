@@ -80,3 +80,70 @@ def test_the_budget_asked_for_comes_back_at_the_next_prompt(tiny_model, monkeypa
 
 def tokens(eng, n: int) -> list[int]:
     return [e.token_id for e in eng.generate("a b c", max_new_tokens=n) if e.token_id is not None]
+
+
+def test_the_retry_survives_running_short_itself(tiny_model, monkeypatch):
+    """The re-plan after an out-of-memory cuts the KV cache before any weight leaves, and cutting a GPU pool
+    takes new VRAM (the H200's MoE 2 GiB row, session 18: a 2 MiB pool failed where a 2 MiB weight had, and
+    the error ended the request). A pool that cannot shrink on the GPU moves to host memory and comes back
+    with the plan, and a re-plan that fails outright is followed by a smaller one: the step completes, with
+    the same tokens, and every KV pool ends where the plan in force wants it."""
+    from engine.backends.torch_engine import TorchEngine
+    from engine.sharding import executor as executor_mod
+    from engine.sharding.kvcache import PagedKVCache
+    from engine.sharding.plan import Placement, Plan, PlanSet
+
+    eng = engine.open_model(tiny_model("llama3"), device="sim", backend="torch")
+    full = eng.spec.total_weight_bytes * 2
+
+    def planset(self, budget, kv_tokens=None):     # attention (and so its KV) on the GPU while it fits
+        where = {s.name: (Placement.RESIDENT if s.kind == "attn" and budget >= full // 4 else Placement.CPU)
+                 for s in self.spec.sublayers}
+        return PlanSet(budget, [Plan(t, "manual", dict(where), 0) for t in self.tiers])
+
+    monkeypatch.setattr(TorchEngine, "_make_planset", planset)
+    eng.set_vram_budget(full)
+    list(eng.generate("a b c " * 80, max_new_tokens=2))       # the KV cache grows past what "a b c" needs
+    want = [e.token_id for e in eng.generate("a b c", max_new_tokens=16)]
+    kv = eng.executor.kv
+    assert all(p.on_gpu for p in kv.pools) and kv.n_blocks > 4
+
+    real_ffn, real_parts, real_activate = dense.ffn_block, PagedKVCache._new_parts, executor_mod.Executor.activate
+    state = {"armed": False, "ffn": 0, "parts": 0, "activate": 0, "moved_to_host": 0}
+
+    def flaky_ffn(cfg, w, x):
+        if state["armed"] and not state["ffn"]:
+            state["ffn"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_ffn(cfg, w, x)
+
+    def short_parts(self, pool, n_blocks, on_gpu, device):
+        if state["ffn"] and on_gpu and pool.on_gpu and n_blocks < pool.capacity:
+            state["parts"] += 1            # the cut's new, smaller GPU pools: no VRAM for them
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        if state["parts"] and not on_gpu:
+            state["moved_to_host"] += 1
+        return real_parts(self, pool, n_blocks, on_gpu, device)
+
+    def short_activate(self, plan, *args, **kwargs):
+        if state["parts"] and not state["activate"]:
+            state["activate"] += 1         # the first re-plan's weights do not fit either
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_activate(self, plan, *args, **kwargs)
+
+    monkeypatch.setattr(dense, "ffn_block", flaky_ffn)
+    monkeypatch.setattr(PagedKVCache, "_new_parts", short_parts)
+    monkeypatch.setattr(executor_mod.Executor, "activate", short_activate)
+    got = []
+    for i, ev in enumerate(eng.generate("a b c", max_new_tokens=16)):
+        got.append(ev.token_id)
+        if i == 5:
+            state["armed"] = True
+    assert state["ffn"] == 1 and state["parts"] >= 1 and state["moved_to_host"] >= 1 and state["activate"] == 1
+    assert got == want
+    assert full // 4 <= eng.budget < full * 3 // 4      # the failed re-plan at 3/4, then one at 9/16
+    assert sum("out of memory" in r["reason"] for r in eng.replans) == 1
+    plan = eng.executor.plan
+    assert all(pool.on_gpu and plan.kv_on_gpu(i) for i, pool in enumerate(kv.pools))
+    assert eng.accel.total_used <= eng.budget
+    eng.close()
