@@ -164,6 +164,7 @@ class TorchEngine(Engine):
         report(0.85, "planning placement for the VRAM budget")
         self.tiers = tuple(sorted(tiers))
         self._forced = "auto"
+        self._on_cpu: tuple[str, ...] = ()        # sub-layer name patterns every plan computes on the CPU (move_to_cpu)
         self._planner = None
         self._profile = profile
         self.planset = None
@@ -286,8 +287,15 @@ class TorchEngine(Engine):
         # (the one-token CUDA graphs' pool and capture workspace stay out of the one-token plan: see
         # graphs.py; a larger tier's plan drops the graphs when it comes in, so it has the whole budget)
         reserve = graphs.reserve_for(budget, self.accel)
-        return self.planner().plan(budget, kv_tokens=self.kv_tokens if kv_tokens is None else kv_tokens,
-                                   force_kind=kind, tier_reserve={1: reserve} if reserve else None)
+        planset = self.planner().plan(budget, kv_tokens=self.kv_tokens if kv_tokens is None else kv_tokens,
+                                      force_kind=kind, tier_reserve={1: reserve} if reserve else None)
+        if self._on_cpu:
+            from engine.sharding.plan import PlanSet
+            from engine.sharding.planner import best_step_tokens
+
+            plans = [self.planner().moved_to_cpu(p, self._on_cpu) for p in planset.plans]
+            planset = PlanSet(planset.budget, plans, step_tokens=best_step_tokens(plans))
+        return planset
 
     def _kv_to_plan_for(self) -> int:
         """The KV capacity a re-plan prices. One never priced before (a budget drop cut the capacity, or the
@@ -436,10 +444,21 @@ class TorchEngine(Engine):
             if self.planset is not None:
                 self._set_budget_now(self.budget, "profile changed")
 
+    def move_to_cpu(self, patterns: tuple[str, ...] | list[str] = ()) -> None:
+        """From now on compute the sub-layers whose names match `patterns` ("layers.*.attn", "head") on the
+        CPU in every plan, whatever the planner chose, re-planning at once; () goes back to the planner's
+        plans. For benchmarks that set a placement beside the chosen one in one engine (the tokens are the
+        same under any plan)."""
+        self._require_open()
+        with self._lock:
+            self._on_cpu = tuple(patterns)
+            if self.planset is not None:
+                self._set_budget_now(self.budget, f"sub-layers moved to the CPU: {', '.join(patterns) or 'none'}")
+
     def plan_report(self) -> dict:
         self._require_open()
         rep = self.planset.report()
-        rep.update(device=self.device, forced=self._forced, context_tokens=self.kv_tokens,
+        rep.update(device=self.device, forced=self._forced, moved_to_cpu=list(self._on_cpu), context_tokens=self.kv_tokens,
                    model_bytes=self.spec.total_weight_bytes, backend="torch")
         if self.accel is not None:
             rep["in_use"] = dict(self.accel.used, total=self.accel.total_used, peak=self.accel.peak)

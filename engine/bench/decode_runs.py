@@ -12,7 +12,9 @@ counters. With `--poll-s`, every other run has an NVML poller of that interval b
 runs have. With `--profiles A,B`, the runs take turns planning from the profile files given, in this one
 engine (`TorchEngine.use_profile`, then one short warm-up run): an A/B of two profiles' plans that no lease or
 process difference enters. `--threads A,B` does the same for the CPU thread counts (torch's, which the native
-pool follows), under one plan. Prints a table and writes decode_runs.json.
+pool follows), under one plan, and `--cpu-variants none,layers.*.attn+head` for the planner's plan against the
+same plan with the named sub-layers computed on the CPU (`TorchEngine.move_to_cpu`; patterns joined by "+").
+Prints a table and writes decode_runs.json.
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="profile database files the runs take turns planning from (comma-separated)")
     ap.add_argument("--threads", default="",
                     help="CPU thread counts the runs take turns at (comma-separated; torch's and the native pool's)")
+    ap.add_argument("--cpu-variants", default="",
+                    help="placements the runs take turns at: comma-separated, each 'none' (the planner's plan) or "
+                         "sub-layer name patterns joined by '+' that the plan computes on the CPU")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
     import torch
@@ -78,13 +83,14 @@ def main(argv: list[str] | None = None) -> int:
     profiles = [profile_from_file(p) for p in names]
 
     threads0 = torch.get_num_threads()
+    variants = [() if v == "none" else tuple(v.split("+")) for v in args.cpu_variants.split(",") if v]
     try:
-        return _runs(args, names, profiles, threads, argv)
+        return _runs(args, names, profiles, threads, variants, argv)
     finally:
         torch.set_num_threads(threads0)
 
 
-def _runs(args, names, profiles, threads, argv) -> int:
+def _runs(args, names, profiles, threads, variants, argv) -> int:
     import torch
 
     from engine.bench.scenarios import DRY_SCENARIOS, PROMPTS, SCENARIOS
@@ -109,6 +115,9 @@ def _runs(args, names, profiles, threads, argv) -> int:
         if threads:
             torch.set_num_threads(threads[i % len(threads)])
             one_run(eng, 190 + i, salt, 4)              # (the pool restarts at its first call)
+        if variants:
+            eng.move_to_cpu(variants[i % len(variants)])
+            one_run(eng, 290 + i, salt, 4)              # (the switch's weight moves out of the timed run)
         polled = bool(args.poll_s) and i % 2 == 1
         if polled:            # as the suite samples this process's VRAM beside its runs
             from engine.bench.vram_poll import VramPoller
@@ -120,18 +129,20 @@ def _runs(args, names, profiles, threads, argv) -> int:
         rows[-1]["nvml_poll_s"] = args.poll_s if polled else None
         rows[-1]["profile"] = names[i % len(names)] if names else None
         rows[-1]["threads"] = torch.get_num_threads()
-    print("| run | profile | threads | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+        rows[-1]["moved_to_cpu"] = "+".join(variants[i % len(variants)]) or "none" if variants else None
+    print("| run | profile | threads | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["token_ms"]
         copied = (r["counters"]["streamed_bytes"] or 0) / max(len(t) + 1, 1) / 2**20
-        print(f"| {r['run']} | {Path(r['profile']).name if r['profile'] else '-'} | {r['threads']} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
+        print(f"| {r['run']} | {Path(r['profile']).name if r['profile'] else '-'} | {r['threads']} | {r['moved_to_cpu'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
               f"{statistics.median(t):.1f} | {max(t):.1f} | "
               f"{r['plan']['tier']}/{r['plan']['kind']} {r['plan']['predicted_ms']:.1f} | {r['kv_tokens']} | "
               f"{'; '.join(x['reason'] for x in r['replans']) or '-'} | {copied:.1f} |", flush=True)
     eng.close()
     path = write_report(args.out, "decode_runs", {"shape": args.shape, "budget": args.budget, "device": args.device,
-                                                  "profiles": names, "threads": threads, "rows": rows},
+                                                  "profiles": names, "threads": threads,
+                                                  "cpu_variants": ["+".join(v) or "none" for v in variants], "rows": rows},
                         "python -m engine.bench.decode_runs " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"wrote {path}")
     return 0

@@ -397,6 +397,24 @@ class Planner:
         assert vram.total <= budget, (vram.total, budget)
         return Plan(tier, label, placement, self.n_slots, ms, vram, kv_tokens, kv_layers)
 
+    def moved_to_cpu(self, plan: Plan, patterns: tuple[str, ...]) -> Plan:
+        """`plan` with the sub-layers whose names match any of `patterns` (shell-style: "layers.*.attn")
+        computed on the CPU instead, priced by the same estimator: a placement the planner did not choose,
+        for benchmarks that set it beside the chosen one. It takes no more VRAM than `plan`. A layer whose
+        attention moves keeps its KV cache in host memory (the GPU-resident KV prefix ends before it)."""
+        from fnmatch import fnmatchcase
+
+        placement = {n: Placement.CPU if any(fnmatchcase(n, pat) for pat in patterns) else p
+                     for n, p in plan.placement.items()}
+        kv_layers = plan.kv_layers
+        if kv_layers is not None:
+            kv_layers = min([kv_layers] + [s.layer for s in self.spec.sublayers
+                                           if s.kind == "attn" and placement[s.name] is Placement.CPU])
+        vram = vram_breakdown(self.spec, placement, plan.tier, plan.kv_tokens, plan.n_slots, kv_layers)
+        moved = Plan(plan.tier, "manual", placement, plan.n_slots, float("nan"), vram, plan.kv_tokens, kv_layers)
+        moved.predicted_ms = self.estimate(moved, plan.tier, planning_context(plan.tier, plan.kv_tokens))
+        return moved
+
     def _all_cpu(self, budget: int, kv_tokens: int, kind: str, strict: bool) -> PlanSet:
         if strict and kind not in ("auto", "static"):
             raise BudgetError(f"no {kind} plan without a GPU: the profile of {self.prof.device!r} has none")

@@ -75,3 +75,18 @@ def test_decode_runs_take_turns_at_thread_counts_and_put_torch_back(tmp_path):
     assert [r["threads"] for r in report["rows"]] == [2, 1, 2, 1]
     assert len({r["plan"]["predicted_ms"] for r in report["rows"]}) == 1
     assert torch.get_num_threads() == before
+
+
+def test_decode_runs_take_turns_at_placements_moved_to_the_cpu(tmp_path):
+    """`--cpu-variants none,PATTERN`: the runs alternate between the planner's plan and the same plan with the
+    matching sub-layers on the CPU (each run records which)."""
+    from engine.bench import decode_runs
+
+    assert decode_runs.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--runs", "4",
+                             "--tokens", "4", "--cpu-variants", "none,layers.*.attn+head",
+                             "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode_runs.json").read_text())
+    assert report["cpu_variants"] == ["none", "layers.*.attn+head"]
+    rows = report["rows"]
+    assert [r["moved_to_cpu"] for r in rows] == ["none", "layers.*.attn+head"] * 2
+    assert [r["plan"]["kind"] == "manual" for r in rows] == [False, True] * 2

@@ -397,3 +397,28 @@ def test_a_paused_warm_prices_the_same_tables_in_small_blocks():
     members, subs = paused.family.place.shape
     assert len(pauses) >= len(paused.tiers) * (members * subs // (1 << 17))
     assert len(pauses) > 10 * len(paused.tiers)
+
+
+def test_a_plan_moved_to_the_cpu_takes_no_more_vram_and_is_priced_by_the_same_estimator():
+    """`Planner.moved_to_cpu`: the named sub-layers computed on the CPU, the rest as planned; the KV of a
+    layer whose attention moved stays in host memory, and the price is the estimator's for the new placement."""
+    from pathlib import Path
+
+    from engine.bench.shapes import get_shape
+    from engine.commands.plan import profile_from_file
+
+    prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
+    spec = ModelSpec.from_config(get_shape("llama3-8b"))
+    planner = Planner(spec, prof, tiers=(1, 16))
+    plan = planner.plan(6 * 2**30, kv_tokens=2048).for_tokens(1)
+    assert any(plan.placement[f"layers.{i}.attn"] is not Placement.CPU for i in range(32))
+    moved = planner.moved_to_cpu(plan, ("layers.*.attn", "head"))
+    assert all(moved.placement[f"layers.{i}.attn"] is Placement.CPU for i in range(32))
+    assert moved.placement["head"] is Placement.CPU
+    assert all(moved.placement[n] == p for n, p in plan.placement.items() if n.endswith(".ffn"))
+    assert moved.vram.total <= plan.vram.total and moved.vram.kv == 0
+    assert all(not moved.kv_on_gpu(i) for i in range(32))
+    assert moved.predicted_ms == pytest.approx(planner.estimate(moved, 1, planning_context(1, 2048)))
+    assert moved.predicted_ms != pytest.approx(plan.predicted_ms)
+    same = planner.moved_to_cpu(plan, ("nothing.*",))
+    assert same.placement == plan.placement and same.predicted_ms == pytest.approx(plan.predicted_ms)

@@ -1,0 +1,45 @@
+"""TorchEngine.move_to_cpu: the planner's plans with named sub-layers computed on the CPU, for benchmarks that
+set such a placement beside the chosen one in one engine. A plan changes speed, never the tokens."""
+
+from __future__ import annotations
+
+import engine
+from engine.sharding.plan import Placement
+from engine.sharding.planner import Planner
+
+
+def test_moving_sub_layers_to_the_cpu_keeps_the_tokens_and_comes_back(tiny_model, monkeypatch):
+    real_plan = Planner.plan
+
+    def gpu_attention(self, *args, **kwargs):   # (the sim profile plans this tiny model on the CPU)
+        planset = real_plan(self, *args, **kwargs)
+        for p in planset.plans:
+            for name in p.placement:
+                if name.endswith((".attn", ".ffn")):
+                    p.placement[name] = Placement.RESIDENT
+            p.kv_layers = None
+        return planset
+
+    monkeypatch.setattr(Planner, "plan", gpu_attention)
+    eng = engine.open_model(tiny_model("qwen3"), device="sim", backend="torch")
+    eng.set_vram_budget(eng.spec.total_weight_bytes * 4)
+    want = [e.token_id for e in eng.generate("a b c d", max_new_tokens=12, seed=3)]
+    kv = eng.executor.kv
+    assert all(p.on_gpu for p in kv.pools)
+
+    eng.move_to_cpu(["layers.*.attn"])
+    plan = eng.executor.plan
+    assert plan.kind == "manual" and all(plan.placement[f"layers.{i}.attn"] is Placement.CPU for i in range(2))
+    assert all(plan.placement[f"layers.{i}.ffn"] is Placement.RESIDENT for i in range(2))
+    assert eng.plan_report()["moved_to_cpu"] == ["layers.*.attn"]
+    assert [e.token_id for e in eng.generate("a b c d", max_new_tokens=12, seed=3)] == want
+    assert not any(p.on_gpu for p in kv.pools)            # the moved attentions' KV is in host memory
+    assert eng.accel.total_used <= eng.budget
+
+    eng.move_to_cpu(())
+    plan = eng.executor.plan
+    assert all(plan.placement[f"layers.{i}.attn"] is Placement.RESIDENT for i in range(2))
+    assert [e.token_id for e in eng.generate("a b c d", max_new_tokens=12, seed=3)] == want
+    assert all(p.on_gpu for p in kv.pools)
+    assert any("moved to the CPU" in r["reason"] for r in eng.replans)
+    eng.close()
