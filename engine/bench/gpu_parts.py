@@ -170,7 +170,7 @@ def part_llamacpp(args, part: Partial, deadline, command: str) -> int:
         part.meta.setdefault("gguf", {})[scenario.model] = facts
         shape = gguf_shape(scenario.gguf_shape, scenario.layers)
         runner = lr.LlamaCppRunner(bins, gguf, shape, threads, part.log_dir / scenario.model, deadline, say=say,
-                                   prompts=prompts)
+                                   prompts=prompts, reps=args.llamacpp_reps)
         if "allowance_llamacpp" not in part.meta:
             tiny, _ = scenario_gguf(pick("tiny-llama", True)[0], args)
             part.meta["allowance_llamacpp"] = lr.llamacpp_allowance(runner, tiny)

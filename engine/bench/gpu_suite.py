@@ -53,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--llamacpp-prompts", default=None,
                    help="llama-bench prompt lengths, comma-separated (default: the scenario's: 512,4096; the "
                         "MoE shape 512, since each of its runs reloads 31 GB)")
+    g.add_argument("--llamacpp-reps", type=int, default=1,
+                   help="llama-bench -r: runs averaged per figure (default 1: every run reloads the model, so the "
+                        "suite runs one; a pair measured on one lease with Slipstream's five runs wants more)")
     g.add_argument("--plan-only", action="store_true",
                    help="with --part llamacpp: print the llama-bench runs it would start and the simulated "
                         "search per budget; runs nothing")

@@ -65,10 +65,11 @@ def shell_join(argv: list[str]) -> str:
 
 class LlamaCppRunner:
     def __init__(self, bins: Path, gguf: Path, shape, threads: int, log_dir: Path, deadline, say=print,
-                 prompts: tuple[int, ...] = PROMPTS):
+                 prompts: tuple[int, ...] = PROMPTS, reps: int = 1):
         self.bins, self.gguf, self.shape, self.threads = bins, gguf, shape, threads
         self.log_dir, self.deadline, self.say = log_dir, deadline, say
         self.prompts = tuple(prompts)
+        self.reps = max(1, int(reps))       # llama-bench -r: its figures are the mean of this many runs
         self.env = tool_env(bins)
         self.n = 0
 
@@ -79,7 +80,7 @@ class LlamaCppRunner:
 
     def bench_argv(self, args: list[str], prompts=None, n_gen: int = DECODE_TOKENS) -> list[str]:
         return [str(self.bins / "llama-bench"), "-m", str(self.gguf), *args,
-                "-p", ",".join(str(p) for p in prompts or self.prompts), "-n", str(n_gen), "-r", "1",
+                "-p", ",".join(str(p) for p in prompts or self.prompts), "-n", str(n_gen), "-r", str(self.reps),
                 "-t", str(self.threads), "-o", "jsonl"]
 
     def bench(self, variant: lp.Variant, x: int) -> dict:
@@ -177,7 +178,7 @@ def run_budget(runner: LlamaCppRunner, part, model: str, budget: str, budget_b: 
         results[variant.key] = summary
         part.save()
     default = results.get(lp.DEFAULT.key)
-    runs_note = runs_note_for(runner.prompts)
+    runs_note = runs_note_for(runner.prompts, runner.reps)
     if default is not None:
         part.add(row_from_run("llama.cpp-default", model, budget, budget_b,
                               default if default.get("fits") else None, allowance,
@@ -190,13 +191,14 @@ def run_budget(runner: LlamaCppRunner, part, model: str, budget: str, budget_b: 
     part.save()
 
 
-def runs_note_for(prompts: tuple[int, ...]) -> str:
+def runs_note_for(prompts: tuple[int, ...], reps: int = 1) -> str:
     """What a row's note adds when its llama-bench runs are not the standard `-p 512,4096 -n 32 -r 1`."""
-    if tuple(prompts) == tuple(PROMPTS):
+    if tuple(prompts) == tuple(PROMPTS) and reps == 1:
         return ""
     missing = [str(p) for p in PROMPTS if p not in prompts]
     why = f" (no {'/'.join(missing)}-token prefill in these runs: every run reloads the model)" if missing else ""
-    return f"; llama-bench -p {','.join(str(p) for p in prompts)} -n {DECODE_TOKENS} -r 1{why}"
+    mean = f", the mean of {reps} runs" if reps > 1 else ""
+    return f"; llama-bench -p {','.join(str(p) for p in prompts)} -n {DECODE_TOKENS} -r {reps}{why}{mean}"
 
 
 def tuned_row(model: str, budget: str, budget_b: int, allowance: int, runs: list[dict]) -> dict:

@@ -133,3 +133,16 @@ def test_a_rows_note_names_the_prefill_lengths_its_runs_left_out():
     assert "-p 512 " in runs_note_for((512,)) and "no 4096-token prefill" in runs_note_for((512,))
     only_long = runs_note_for((4096,))
     assert "-p 4096 " in only_long and "no 512-token prefill" in only_long and "no 4096" not in only_long
+
+
+def test_llama_bench_averages_the_runs_asked_for_and_the_note_says_so(tmp_path):
+    from engine.bench.llamacpp_runs import LlamaCppRunner, runs_note_for
+
+    runner = LlamaCppRunner(tmp_path, tmp_path / "m.gguf", None, 16, tmp_path, None, reps=3)
+    argv = runner.bench_argv(["-ngl", "7"])
+    assert argv[argv.index("-r") + 1] == "3"
+    once = LlamaCppRunner(tmp_path, tmp_path / "m.gguf", None, 16, tmp_path, None).bench_argv([])
+    assert once[once.index("-r") + 1] == "1"
+    note = runs_note_for((512, 4096), 3)
+    assert "-r 3" in note and "the mean of 3 runs" in note
+    assert "-r 3" in runs_note_for((512,), 3) and "no 4096-token prefill" in runs_note_for((512,), 3)
