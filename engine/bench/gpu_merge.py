@@ -390,7 +390,8 @@ def markdown(result: dict) -> str:
             f"{m.get('torch')}.\n\n{notes}\n\n## Budgets\n\n{table(result['rows'])}\n\n"
             f"## Ratios and targets\n\nSlipstream against the fastest llama.cpp row that fit (and, where the "
             f"issue sets a target, llama.cpp-default and the bound); targets apply to {TARGET_AT[0]} at "
-            f"{TARGET_AT[1]}, other rows are reported.{beyond_bound(result.get('ratios') or [])}"
+            f"{TARGET_AT[1]}, other rows are reported."
+            f"{ONE_LEASE_NOTE if result.get('one_lease') else ''}{beyond_bound(result.get('ratios') or [])}"
             f"\n\n{ratio_table(result.get('ratios') or [])}\n\n"
             f"{one_lease_section(result.get('one_lease') or [])}"
             f"## Vision-language (Qwen2.5-VL-7B shape, one 2560x1440 image)\n\n{VL_NOTE}\n\n"
@@ -401,6 +402,11 @@ def markdown(result: dict) -> str:
             f"{related_table(result.get('related') or [])}\n\n"
             "Plots: `results_decode.png`, `results_prefill.png`, `results_ttft.png` (time to first token), "
             "`corun_timeline.png`.\n")
+
+
+ONE_LEASE_NOTE = (" Rows against llama.cpp \"one lease\" set a Slipstream row and llama.cpp rows measured on one "
+                  "lease beside each other (the section after this table); the others take the suite's latest "
+                  "Slipstream rows and its llama.cpp rows, from earlier leases.")
 
 
 def one_lease_section(pairs: list[dict]) -> str:

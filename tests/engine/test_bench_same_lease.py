@@ -84,5 +84,5 @@ def test_the_merge_sets_each_pair_beside_the_targets(tmp_path, monkeypatch):
     assert d["peer"] == 250.0 and d["target"] == 10.0 and d["met"] is False
     assert mine[("best llama.cpp, one lease (call F)", "prefill 512")]["target"] is None
     md = (res / "results.md").read_text()
-    assert "## One lease" in md
+    assert "## One lease" in md and 'Rows against llama.cpp "one lease" set a Slipstream row' in md
     assert "| call F | llama3-8b | 4GiB | 9.50 | 6.10 / 6.30 | 1.51x | 2050 / 250 / 1900 | 4.00 / 4.00 / 4.00 |" in md
