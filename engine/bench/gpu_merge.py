@@ -169,7 +169,7 @@ TARGETS = (("decode_tps", "best llama.cpp", 1.5), ("prefill4096_tps", "best llam
 REPORTED = (("prefill512_tps", "bound"), ("prefill4096_tps", "bound"))
 
 
-def _best_llamacpp(rows: list[dict], key: str) -> dict | None:
+def best_llamacpp(rows: list[dict], key: str) -> dict | None:
     """The fastest llama.cpp row (default or tuned) that fit its budget, for one metric."""
     ok = [r for r in rows if r["system"].startswith("llama.cpp") and r.get("fits") is not False
           and r.get(key) is not None]
@@ -198,13 +198,13 @@ def pair_ratios(pairs: list[dict]) -> list[dict]:
     """Each one-lease pair's Slipstream figure against llama.cpp rows of the same lease (the best that fit,
     and llama.cpp-default for the 512-token prefill), with the issue's targets where the pair is at the
     targeted model and budget."""
-    from engine.bench.same_lease import best_llamacpp, slipstream_row
+    from engine.bench.same_lease import slipstream_row
 
     out = []
     for p in pairs:
         ss = slipstream_row(p)
         for key, label, against in ONE_LEASE_METRICS:
-            peer = (best_llamacpp(p, key) if against == "best llama.cpp" else
+            peer = (best_llamacpp(p["rows"], key) if against == "best llama.cpp" else
                     next((r for r in p["rows"] if r["system"] == against and r.get("fits") is not False), None))
             mine, theirs = ss.get(key), None if peer is None else peer.get(key)
             if mine is None:
@@ -238,7 +238,7 @@ def ratios(rows: list[dict], pairs: list[dict] = ()) -> list[dict]:
             mine = ss.get(key)
             if mine is None:
                 continue
-            against = [("best llama.cpp", _best_llamacpp(group, key))]
+            against = [("best llama.cpp", best_llamacpp(group, key))]
             against += [(name, peers[name]) for name in ("llama.cpp-default", "bound")
                         if any(t[0] == key and t[1] == name for t in TARGETS + REPORTED)]
             if key == "decode_tps" and ss.get("bound_lease_decode_tps"):
@@ -413,7 +413,7 @@ def one_lease_section(pairs: list[dict]) -> str:
     """The one-lease pairs as a table (empty where there are none)."""
     if not pairs:
         return ""
-    from engine.bench.same_lease import best_llamacpp, slipstream_row
+    from engine.bench.same_lease import slipstream_row
 
     intro = ("The rows above set Slipstream's latest runs beside llama.cpp rows measured on earlier leases. Each "
              "pair here is both systems' rows of one model and budget from one lease (one device call, or calls "
@@ -430,7 +430,7 @@ def one_lease_section(pairs: list[dict]) -> str:
         for r in sorted(p["rows"], key=lambda r: r.get("fits") is not False):   # (a row that fit wins)
             by[r["system"]] = r
         d, t = by.get("llama.cpp-default", {}), by.get("llama.cpp-tuned", {})
-        best = best_llamacpp(p, "decode_tps")
+        best = best_llamacpp(p["rows"], "decode_tps")
         ratio = ss["decode_tps"] / best["decode_tps"] if best and best.get("decode_tps") else None
         runs = ", ".join(f"{x:.2f}" for x in ss.get("decode_tps_runs") or [])
         lines.append(f"| {p['call']} | {p['model']} | {p['budget']} | {_num(ss.get('decode_tps'))}"

@@ -19,6 +19,7 @@ import json
 from datetime import datetime
 from pathlib import Path
 
+from engine.bench.gpu_merge import best_llamacpp
 from engine.bench.partials import now_iso
 
 KEEP = ("system", "model", "budget", "budget_bytes", "peak_vram_bytes", "fits", "prefill512_tps", "prefill4096_tps",
@@ -59,12 +60,6 @@ def pair(slipstream: dict, llamacpp: dict, call: str) -> list[dict]:
     return out
 
 
-def best_llamacpp(p: dict, key: str) -> dict | None:
-    ok = [r for r in p["rows"] if r["system"].startswith("llama.cpp") and r.get("fits") is not False
-          and r.get(key) is not None]
-    return max(ok, key=lambda r: r[key], default=None)
-
-
 def slipstream_row(p: dict) -> dict:
     return next(r for r in p["rows"] if r["system"] == "slipstream")
 
@@ -84,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     data["pairs"].extend(new)
     args.into.write_text(json.dumps(data, indent=1) + "\n")
     for p in new:
-        ss, best = slipstream_row(p), best_llamacpp(p, "decode_tps")
+        ss, best = slipstream_row(p), best_llamacpp(p["rows"], "decode_tps")
         ratio = ss["decode_tps"] / best["decode_tps"] if best else float("nan")
         print(f"{p['model']} {p['budget']}: Slipstream decode {ss['decode_tps']:.2f} t/s, best llama.cpp "
               f"{best['decode_tps'] if best else float('nan'):.2f} ({best['system'] if best else '-'}): {ratio:.2f}x")

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine.bench import same_lease
-from engine.bench.gpu_merge import merge
+from engine.bench.gpu_merge import best_llamacpp, merge
 from engine.bench.partials import Partial
 
 GiB = 1 << 30
@@ -34,8 +34,8 @@ def test_a_pair_takes_both_systems_rows_of_each_shared_model_and_budget():
     assert [(p["model"], p["budget"]) for p in pairs] == [("llama3-8b", "4GiB")]
     p = pairs[0]
     assert [r["system"] for r in p["rows"]] == ["slipstream", "llama.cpp-default", "llama.cpp-tuned"]
-    assert same_lease.best_llamacpp(p, "decode_tps")["system"] == "llama.cpp-tuned"
-    assert same_lease.best_llamacpp(p, "prefill512_tps")["prefill512_tps"] == 1900.0
+    assert best_llamacpp(p["rows"], "decode_tps")["system"] == "llama.cpp-tuned"
+    assert best_llamacpp(p["rows"], "prefill512_tps")["prefill512_tps"] == 1900.0
     assert "command" not in p["rows"][0] and p["call"] == "call F"
 
 
