@@ -34,6 +34,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 DEFAULT_CONTEXT = 8192
 OOM_RETRIES = 3                  # out-of-memory back-offs after which the next request tries the asked budget again
 SIM_DEFAULT_BUDGET = 1 << 40     # "sim" without a budget: a notional GPU with room for everything
+RATE_PROBE_WEIGHT_MIB = 512      # the rate probe at open (_at_rates_now): pinned FFN-shaped weights the CPU reads,
+RATE_PROBE_COPY_MIB = 64         # a pinned buffer copied to the GPU (the most VRAM it takes),
+RATE_PROBE_MIN_S = 0.2           # and the shortest timed pass
 INITIAL_KV_TOKENS = 2048
 IN_FORCE = -1             # a queued re-plan for the budget in force when it runs
 KV_CUT_FLOOR_TOKENS = 64  # a budget drop cuts the KV capacity to twice the tokens in use, never below this
@@ -167,6 +170,7 @@ class TorchEngine(Engine):
         self._on_cpu: tuple[str, ...] = ()        # sub-layer name patterns every plan computes on the CPU (move_to_cpu)
         self._planner = None
         self._profile = profile
+        self.rate_probe: dict | None = None       # the rates the plans were moved to (_at_rates_now)
         self.planset = None
         self._pending_budget: int | None = None
         self._pending_reason = "set_vram_budget"
@@ -271,9 +275,38 @@ class TorchEngine(Engine):
             from engine.sharding.planner import Planner
             from engine.sharding.profile import ProfileDatabase
 
-            prof = self._profile or ProfileDatabase.for_device(self.device)
+            prof = self._profile
+            if prof is None:
+                prof = self._at_rates_now(ProfileDatabase.for_device(self.device))
             self._planner = Planner(self.spec, prof, tiers=self.tiers)
         return self._planner
+
+    def _at_rates_now(self, prof):
+        """With SLIPSTREAM_RATE_PROBE=1, the stored profile moved to the CPU and PCIe rates of this machine now
+        (`measure_link.probe_rates`, about two seconds, once per engine): the same machine's rates move with
+        what else runs and from one boot or lease to the next, and a decode plan balances the CPU against
+        PCIe. Off by default: on the H200 host (session 19, calls K and L) plans from the probed rates
+        decoded within the run-to-run spread of the stored rates' plans (Llama-3-8B 4 GiB 10.48 against
+        10.31 t/s, the MoE shape 32.4 / 29.2 against 32.2 / 28.6 at 4 / 2 GiB; medians of three runs
+        taking turns in one engine), while two probes minutes apart on one lease read 128 and 103 GB/s.
+        A profile given to the engine is used as is."""
+        if (self.accel is None or self.accel.kind != "cuda" or not prof.has_gpu
+                or os.environ.get("SLIPSTREAM_RATE_PROBE", "0") != "1"):
+            return prof
+        from engine.sharding.measure_link import probe_rates
+
+        t0 = time.perf_counter()
+        try:
+            rates = probe_rates(RATE_PROBE_WEIGHT_MIB, RATE_PROBE_COPY_MIB, RATE_PROBE_MIN_S,
+                                device=self.accel.device)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:      # (no room: plan from the stored rates)
+            self.rate_probe = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
+            return prof
+        finally:
+            torch.cuda.empty_cache()
+        scaled = prof.at_rates(rates)
+        self.rate_probe = {**scaled.data["rates_scaled"], "seconds": round(time.perf_counter() - t0, 2)}
+        return scaled
 
     def _make_planset(self, budget: int, kv_tokens: int | None = None):
         if self.accel is None:
@@ -467,6 +500,7 @@ class TorchEngine(Engine):
         from engine import kernels
 
         rep["cpu_matmul"] = kernels.status()
+        rep["rate_probe"] = self.rate_probe
         if self.vision is not None:
             rep["vision"] = self._vision_report()
         return rep

@@ -11,8 +11,10 @@ the re-plans made during the run and their reasons, the weight bytes copied and 
 counters. With `--poll-s`, every other run has an NVML poller of that interval beside it, as the suite's
 runs have. With `--profiles A,B`, the runs take turns planning from the profile files given, in this one
 engine (`TorchEngine.use_profile`, then one short warm-up run): an A/B of two profiles' plans that no lease or
-process difference enters. `--threads A,B` does the same for the CPU thread counts (torch's, which the native
-pool follows), under one plan, and `--cpu-variants none,layers.*.attn+head` for the planner's plan against the
+process difference enters; `lease:FILE` is FILE's profile moved to the CPU and PCIe rates probed before the
+engine opens (`ProfileDatabase.at_rates`). `--threads A,B` does the same for the CPU thread counts (torch's, which the native
+pool follows), under one plan, `--spins A,B` for the native pool's spin before its workers sleep
+(`kernels.set_spin`; with `--cpu-variants`, each spin count runs a whole round of the variants), and `--cpu-variants none,layers.*.attn+head` for the planner's plan against the
 same plan with the named sub-layers computed on the CPU (`TorchEngine.move_to_cpu`; patterns joined by "+").
 Prints a table and writes decode_runs.json.
 """
@@ -67,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="profile database files the runs take turns planning from (comma-separated)")
     ap.add_argument("--threads", default="",
                     help="CPU thread counts the runs take turns at (comma-separated; torch's and the native pool's)")
+    ap.add_argument("--spins", default="",
+                    help="native pool spin counts the runs take turns at (comma-separated pause instructions)")
     ap.add_argument("--cpu-variants", default="",
                     help="placements the runs take turns at: comma-separated, each 'none' (the planner's plan) or "
                          "sub-layer name patterns joined by '+' that the plan computes on the CPU")
@@ -80,17 +84,48 @@ def main(argv: list[str] | None = None) -> int:
     from engine.commands.plan import profile_from_file
 
     names = [p for p in args.profiles.split(",") if p]
-    profiles = [profile_from_file(p) for p in names]
+    profiles, probed = [], None
+    for name in names:              # "lease:FILE": FILE's profile moved to the rates measured now
+        if name.startswith("lease:"):
+            if probed is None:
+                from engine.sharding.measure_link import probe_rates
 
+                probed = probe_rates()
+                print(f"rates now: {probed}", flush=True)
+            profiles.append(profile_from_file(name[len("lease:"):]).at_rates(probed))
+            print(f"{name}: {profiles[-1].data['rates_scaled']}", flush=True)
+        else:
+            profiles.append(profile_from_file(name))
+    args.probed = probed
+
+    spins = [int(s) for s in args.spins.split(",") if s]
+    if any(s < 0 for s in spins):
+        ap.error(f"--spins {args.spins}: spin counts must be at least 0")
     threads0 = torch.get_num_threads()
     variants = [() if v == "none" else tuple(v.split("+")) for v in args.cpu_variants.split(",") if v]
     try:
-        return _runs(args, names, profiles, threads, variants, argv)
+        return _runs(args, names, profiles, threads, variants, spins, argv)
     finally:
         torch.set_num_threads(threads0)
+        if spins:
+            from engine import kernels
+
+            kernels.set_spin(int(os.environ.get("SLIPSTREAM_KERNEL_SPIN", kernels.SPIN)))
 
 
-def _runs(args, names, profiles, threads, variants, argv) -> int:
+def _short(profile: str | None) -> str:
+    if not profile:
+        return "-"
+    return ("lease:" if profile.startswith("lease:") else "") + Path(profile.removeprefix("lease:")).name
+
+
+def _spin_turn(i: int, spins: list, variants: list) -> int:
+    """The spin count of run i: with --cpu-variants too, each spin count takes a whole round of the variants
+    (the two axes cross instead of moving together)."""
+    return (i // max(len(variants), 1)) % len(spins)
+
+
+def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
     import torch
 
     from engine.bench.scenarios import DRY_SCENARIOS, PROMPTS, SCENARIOS
@@ -115,6 +150,11 @@ def _runs(args, names, profiles, threads, variants, argv) -> int:
         if threads:
             torch.set_num_threads(threads[i % len(threads)])
             one_run(eng, 190 + i, salt, 4)              # (the pool restarts at its first call)
+        if spins:
+            from engine import kernels
+
+            kernels.set_spin(spins[_spin_turn(i, spins, variants)])
+            one_run(eng, 390 + i, salt, 4)
         if variants:
             eng.move_to_cpu(variants[i % len(variants)])
             one_run(eng, 290 + i, salt, 4)              # (the switch's weight moves out of the timed run)
@@ -129,19 +169,20 @@ def _runs(args, names, profiles, threads, variants, argv) -> int:
         rows[-1]["nvml_poll_s"] = args.poll_s if polled else None
         rows[-1]["profile"] = names[i % len(names)] if names else None
         rows[-1]["threads"] = torch.get_num_threads()
+        rows[-1]["spin"] = spins[_spin_turn(i, spins, variants)] if spins else None
         rows[-1]["moved_to_cpu"] = "+".join(variants[i % len(variants)]) or "none" if variants else None
-    print("| run | profile | threads | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | profile | threads | spin | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["token_ms"]
         copied = (r["counters"]["streamed_bytes"] or 0) / max(len(t) + 1, 1) / 2**20
-        print(f"| {r['run']} | {Path(r['profile']).name if r['profile'] else '-'} | {r['threads']} | {r['moved_to_cpu'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
+        print(f"| {r['run']} | {_short(r['profile'])} | {r['threads']} | {r['spin'] if r['spin'] is not None else '-'} | {r['moved_to_cpu'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
               f"{statistics.median(t):.1f} | {max(t):.1f} | "
               f"{r['plan']['tier']}/{r['plan']['kind']} {r['plan']['predicted_ms']:.1f} | {r['kv_tokens']} | "
               f"{'; '.join(x['reason'] for x in r['replans']) or '-'} | {copied:.1f} |", flush=True)
     eng.close()
     path = write_report(args.out, "decode_runs", {"shape": args.shape, "budget": args.budget, "device": args.device,
-                                                  "profiles": names, "threads": threads,
+                                                  "profiles": names, "probed_rates": args.probed, "threads": threads, "spins": spins,
                                                   "cpu_variants": ["+".join(v) or "none" for v in variants], "rows": rows},
                         "python -m engine.bench.decode_runs " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"wrote {path}")

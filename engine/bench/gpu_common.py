@@ -149,32 +149,14 @@ def rates_probe(weight_mib: int = 1024, copy_mib: int = 256, min_s: float = 0.3)
     hypervisor stole meanwhile. Without a GPU the copy rates are None. A suite row records it before its
     engine opens and after it closes (about three seconds each), so its ratio to the bound can also be taken
     against the machine as it was then: leases of the same kind have differed by 1.5x in these rates."""
-    import statistics
-
     import torch
 
-    from engine.sharding.measure import Sizes, gemv_pass, time_host
+    from engine.sharding.measure_link import probe_rates
 
-    cuda = torch.cuda.is_available()
-    sizes = Sizes(hidden=4096, ffn=14336, vocab=0, heads=32, head_dim=128, ctx=0, tokens=(1,), min_time_s=min_s,
-                  rotate_bytes=weight_mib << 20, copy_bytes=copy_mib << 20, dtypes=("bfloat16",), pinned=cuda)
     before = _cpu_ticks()
-    fn, nbytes = gemv_pass(sizes)
-    alone = nbytes / time_host(fn, min_s) / 1e9
-    out = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu_gemv_gbps": round(alone, 2),
-           "cpu_gemv_with_copy_gbps": None, "h2d_gbps": None, "h2d_with_cpu_gbps": None}
-    if cuda:
-        from engine.sharding.measure_link import beside_copies, copy_gbps
-
-        host = torch.empty(copy_mib << 20, dtype=torch.uint8, pin_memory=True)
-        host.fill_(1)
-        dev, stream = torch.empty_like(host, device="cuda"), torch.cuda.Stream()
-        copy_gbps(dev, host, stream, 1)
-        h2d = statistics.median(copy_gbps(dev, host, stream, 2) for _ in range(3))
-        with_copy, copies = beside_copies(fn, nbytes, alone, dev, host, stream, h2d)
-        out.update(cpu_gemv_with_copy_gbps=round(with_copy, 2), h2d_gbps=round(h2d, 2),
-                   h2d_with_cpu_gbps=round(statistics.median(copies), 2))
-        del host, dev
+    out = {"at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+           **probe_rates(weight_mib, copy_mib, min_s)}
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
     after = _cpu_ticks()
     out["steal_share"] = (round((after[1] - before[1]) / max(after[0] - before[0], 1), 4)

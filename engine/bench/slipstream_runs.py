@@ -239,7 +239,7 @@ def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int
                                             "llama-batched-bench's decode figure); decode_batch*_wall_tps: "
                                             "over the whole wall time, prefill included",
                        "command": command, "plan": compact_plan(report), "open_seconds": round(open_s, 1),
-                       "lease_rates": rates,
+                       "lease_rates": rates, "rate_probe": report.get("rate_probe"),
                        "seconds": m["seconds"], "device": device, "supported": True,
                        "note": (scenario.note + "; " if scenario.note else "")
                                + "one engine, budgets applied live with set_vram_budget, ascending"}

@@ -226,6 +226,20 @@ def _sync_threads(lib) -> None:
                 _threads = lib.sl_set_threads(want, int(os.environ.get("SLIPSTREAM_KERNEL_SPIN", SPIN)))
 
 
+def set_spin(spins: int) -> bool:
+    """How many pause instructions a pool worker spins for the next job before it sleeps (SPIN, or
+    SLIPSTREAM_KERNEL_SPIN at start), from now on: longer keeps the workers awake across a gap between CPU
+    sub-layers (a GPU attention's 0.5 ms in a MoE decode) at the price of cores a game could use. False
+    where the library is not loaded."""
+    lib = _load()
+    if lib is None:
+        return False
+    global _threads
+    with _lock:
+        _threads = lib.sl_set_threads(torch.get_num_threads(), max(int(spins), 0))
+    return True
+
+
 def status(wait: bool = False) -> str:
     """One line: which CPU matmul path small-batch linear layers take, and why (`wait`: for a build in
     progress to finish, where the answer must be final, as in a profile's fingerprint)."""

@@ -103,3 +103,30 @@ def beside_copies(fn, nbytes: int, alone_gbps: float, dev, host, stream, h2d: fl
             cpu_rates.append(done / t_cpu / 1e9)
         copy_rates.append(reps * host.numel() / (start.elapsed_time(stop) / 1e3) / 1e9)
     return (statistics.median(cpu_rates) if cpu_rates else alone_gbps), copy_rates
+
+
+def probe_rates(weight_mib: int = 1024, copy_mib: int = 256, min_s: float = 0.3, device=None) -> dict:
+    """The four rates a plan is balanced on, measured now as `link_section` measures them (a few seconds):
+    the CPU's one-token GEMV over `weight_mib` of FFN-shaped pinned weights alone and while back-to-back
+    pinned host -> GPU copies of `copy_mib` run, and those copies alone and beside it. Without CUDA only
+    the CPU rate (the others None). `ProfileDatabase.at_rates` moves a profile to them."""
+    cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
+    sizes = Sizes(hidden=4096, ffn=14336, vocab=0, heads=32, head_dim=128, ctx=0, tokens=(1,), min_time_s=min_s,
+                  rotate_bytes=weight_mib << 20, copy_bytes=copy_mib << 20, dtypes=("bfloat16",), pinned=cuda)
+    fn, nbytes = gemv_pass(sizes)
+    alone = nbytes / time_host(fn, min_s) / 1e9
+    out = {"cpu_gemv_gbps": round(alone, 2), "cpu_gemv_with_copy_gbps": None, "h2d_gbps": None,
+           "h2d_with_cpu_gbps": None}
+    if cuda:
+        dev_index = torch.device(device if device is not None else "cuda")
+        host = torch.empty(copy_mib << 20, dtype=torch.uint8, pin_memory=True)
+        host.fill_(1)
+        dev, stream = torch.empty_like(host, device=dev_index), torch.cuda.Stream(dev_index)
+        copy_gbps(dev, host, stream, 1)
+        h2d = statistics.median(copy_gbps(dev, host, stream, 2) for _ in range(3))
+        with_copy, copies = beside_copies(fn, nbytes, alone, dev, host, stream, h2d)
+        out.update(cpu_gemv_with_copy_gbps=round(with_copy, 2), h2d_gbps=round(h2d, 2),
+                   h2d_with_cpu_gbps=round(statistics.median(copies), 2))
+        del host, dev
+    del fn
+    return out

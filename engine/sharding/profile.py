@@ -19,6 +19,7 @@ alone or beside CPU work) and `move_ms` (an activation crossing between CPU and 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import math
@@ -129,6 +130,54 @@ class ProfileDatabase:
 
     def to_dict(self) -> dict:
         return self.data
+
+    def at_rates(self, rates: dict, limits: tuple[float, float] = (0.5, 2.0)) -> ProfileDatabase:
+        """This profile with its CPU and PCIe rates moved to `rates`, measured now
+        (`measure_link.probe_rates`: cpu_gemv_gbps, cpu_gemv_with_copy_gbps, h2d_gbps, h2d_with_cpu_gbps).
+
+        The same kind of machine differs from one hour to the next (the H200 leases' one-token CPU matmuls
+        read 88-128 GB/s, the profile 109), and a desktop's free memory bandwidth moves with what else runs,
+        so a plan balanced on the stored rates can leave one side idle. Each CPU table (matmuls, experts,
+        attention over the KV, memory) is scaled by the CPU factor, the CPU-beside-copies rates by theirs,
+        the copies by theirs; each factor is held within `limits` (a probe disturbed by something else must
+        not plan a machine twice as fast or slow). The result records the factors under "rates_scaled"."""
+        link = self.link or {}
+        base = {k: link.get(k) for k in ("cpu_gemv_gbps", "cpu_gemv_with_copy_gbps", "h2d_gbps", "h2d_with_cpu_gbps")}
+
+        def factor(key: str) -> float:
+            got, had = rates.get(key), base.get(key)
+            if not got or not had:
+                return 1.0
+            return min(limits[1], max(limits[0], float(got) / float(had)))
+
+        f_cpu, f_cc, f_h2d, f_hc = (factor(k) for k in base)
+        data = copy.deepcopy(self.data)
+        cpu = data["cpu"]
+        for classes in cpu["gemm"].values():
+            for cls_name, rows in classes.items():
+                classes[cls_name] = [[n, r * f_cpu] for n, r in rows]
+        for dtype, rows in (cpu.get("experts") or {}).items():
+            cpu["experts"][dtype] = [[n, r * f_cpu] for n, r in rows]
+        for r in cpu["attention"].values():
+            r["gbps"] *= f_cpu
+        cpu["mem_gbps"] *= f_cpu
+        idle = cpu.get("ffn_block_idle")
+        if idle and "hot_ms" in idle and "after_idle_ms" in idle:
+            idle["hot_ms"] /= f_cpu
+            idle["after_idle_ms"] /= f_cpu
+        if data.get("link"):
+            lk = data["link"]
+            lk["cpu_gemv_gbps"] *= f_cpu
+            lk["cpu_gemv_with_copy_gbps"] *= f_cc
+            if lk.get("cpu_block_with_copy_gbps"):
+                lk["cpu_block_with_copy_gbps"] *= f_cc
+            lk["cpu_with_copy_factor"] = min(1.0, max(0.05, lk["cpu_with_copy_factor"] * f_cc / f_cpu))
+            lk["h2d_gbps"] *= f_h2d
+            lk["d2h_gbps"] = lk.get("d2h_gbps", base["h2d_gbps"]) * f_h2d
+            lk["h2d_with_cpu_gbps"] *= f_hc
+        data["rates_scaled"] = {"cpu": round(f_cpu, 4), "cpu_with_copy": round(f_cc, 4), "h2d": round(f_h2d, 4),
+                                "h2d_with_cpu": round(f_hc, 4), "rates": dict(rates)}
+        return type(self)(data)
 
     @classmethod
     def sim(cls, cpu: ProfileDatabase | None = None) -> ProfileDatabase:

@@ -90,3 +90,43 @@ def test_decode_runs_take_turns_at_placements_moved_to_the_cpu(tmp_path):
     rows = report["rows"]
     assert [r["moved_to_cpu"] for r in rows] == ["none", "layers.*.attn+head"] * 2
     assert [r["plan"]["kind"] == "manual" for r in rows] == [False, True] * 2
+
+
+def test_decode_runs_cross_spin_counts_with_placements(tmp_path):
+    """`--spins A,B` with `--cpu-variants`: each spin count runs a whole round of the variants (the two axes
+    cross), and the pool's spin is the default again afterwards."""
+    from engine import kernels
+    from engine.bench import decode_runs
+
+    seen = []
+    real = kernels.set_spin
+    kernels.set_spin = lambda n: seen.append(n) or real(n)
+    try:
+        assert decode_runs.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--runs", "4",
+                                 "--tokens", "4", "--spins", "2000,20000", "--cpu-variants", "none,layers.*.attn",
+                                 "--out", str(tmp_path)]) == 0
+    finally:
+        kernels.set_spin = real
+    rows = json.loads((tmp_path / "decode_runs.json").read_text())["rows"]
+    assert [(r["spin"], r["moved_to_cpu"]) for r in rows] == [
+        (2000, "none"), (2000, "layers.*.attn"), (20000, "none"), (20000, "layers.*.attn")]
+    assert seen[:4] == [2000, 2000, 20000, 20000] and seen[-1] == kernels.SPIN
+
+
+def test_decode_runs_lease_profile_is_the_file_moved_to_the_probed_rates(tmp_path, monkeypatch):
+    """`--profiles P,lease:P`: the second is P at the rates probed before the engine opens."""
+    from engine.bench import decode_runs
+    from engine.sharding.profile import sim_profile_dict
+    from engine.sharding.profile_store import SCHEMA
+
+    entry = sim_profile_dict()
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"schema": SCHEMA, "profiles": {"p": entry}}))
+    probed = {"cpu_gemv_gbps": entry["link"]["cpu_gemv_gbps"] * 1.5, "cpu_gemv_with_copy_gbps": None,
+              "h2d_gbps": None, "h2d_with_cpu_gbps": None}
+    monkeypatch.setattr("engine.sharding.measure_link.probe_rates", lambda *a, **k: dict(probed))
+    assert decode_runs.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--runs", "2",
+                             "--tokens", "4", "--profiles", f"{f},lease:{f}", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode_runs.json").read_text())
+    assert report["probed_rates"] == probed
+    assert [r["profile"] for r in report["rows"]] == [str(f), f"lease:{f}"]
