@@ -15,7 +15,8 @@ process difference enters; `lease:FILE` is FILE's profile moved to the CPU and P
 engine opens (`ProfileDatabase.at_rates`). `--threads A,B` does the same for the CPU thread counts (torch's, which the native
 pool follows), under one plan, `--spins A,B` for the native pool's spin before its workers sleep
 (`kernels.set_spin`; with `--cpu-variants`, each spin count runs a whole round of the variants), and `--cpu-variants none,layers.*.attn+head` for the planner's plan against the
-same plan with the named sub-layers computed on the CPU (`TorchEngine.move_to_cpu`; patterns joined by "+").
+same plan with the named sub-layers computed on the CPU (`TorchEngine.move_to_cpu`; patterns joined by "+";
+`streamed-ffn:N`: N of the FFNs the planner's one-token plan streams, evenly spaced).
 Prints a table and writes decode_runs.json.
 """
 
@@ -125,6 +126,24 @@ def _spin_turn(i: int, spins: list, variants: list) -> int:
     return (i // max(len(variants), 1)) % len(spins)
 
 
+def resolve_variant(eng, variant: tuple[str, ...]) -> tuple[str, ...]:
+    """A --cpu-variants entry with each `streamed-ffn:N` replaced by the names of N of the FFNs that the
+    planner's one-token plan streams, evenly spaced over them (so a variant can set the planner's split
+    between CPU and PCIe beside one with N more FFNs on the CPU)."""
+    from engine.sharding.plan import Placement
+
+    out: list[str] = []
+    for part in variant:
+        if not part.startswith("streamed-ffn:"):
+            out.append(part)
+            continue
+        plan = eng.planset.for_tokens(1)
+        streamed = [k for k, v in plan.placement.items() if k.endswith(".ffn") and v is Placement.STREAMED]
+        n = min(int(part.split(":", 1)[1]), len(streamed))
+        out += [streamed[int((j + 0.5) * len(streamed) / n)] for j in range(n)]
+    return tuple(out)
+
+
 def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
     import torch
 
@@ -142,6 +161,8 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
     for n in PROMPTS:
         for r in range(3):
             prefill_tps(eng, n, r, salt)
+    asked = ["+".join(v) or "none" for v in variants]
+    variants = [resolve_variant(eng, v) for v in variants]
     rows = []
     for i in range(args.runs):
         if profiles:
@@ -171,12 +192,13 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
         rows[-1]["threads"] = torch.get_num_threads()
         rows[-1]["spin"] = spins[_spin_turn(i, spins, variants)] if spins else None
         rows[-1]["moved_to_cpu"] = "+".join(variants[i % len(variants)]) or "none" if variants else None
+        rows[-1]["variant"] = asked[i % len(asked)] if variants else None
     print("| run | profile | threads | spin | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["token_ms"]
         copied = (r["counters"]["streamed_bytes"] or 0) / max(len(t) + 1, 1) / 2**20
-        print(f"| {r['run']} | {_short(r['profile'])} | {r['threads']} | {r['spin'] if r['spin'] is not None else '-'} | {r['moved_to_cpu'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
+        print(f"| {r['run']} | {_short(r['profile'])} | {r['threads']} | {r['spin'] if r['spin'] is not None else '-'} | {r['variant'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
               f"{statistics.median(t):.1f} | {max(t):.1f} | "
               f"{r['plan']['tier']}/{r['plan']['kind']} {r['plan']['predicted_ms']:.1f} | {r['kv_tokens']} | "
               f"{'; '.join(x['reason'] for x in r['replans']) or '-'} | {copied:.1f} |", flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 
 def test_decode_runs_records_each_run_token_by_token(tmp_path):
@@ -130,3 +131,24 @@ def test_decode_runs_lease_profile_is_the_file_moved_to_the_probed_rates(tmp_pat
     report = json.loads((tmp_path / "decode_runs.json").read_text())
     assert report["probed_rates"] == probed
     assert [r["profile"] for r in report["rows"]] == [str(f), f"lease:{f}"]
+
+
+def test_streamed_ffn_variants_name_ffns_the_plan_streams(tmp_path):
+    """`streamed-ffn:N` becomes N of the FFNs the planner's one-token plan streams, evenly spaced."""
+    from engine.bench.decode_runs import resolve_variant
+    from engine.sharding.plan import Placement
+
+    placement = {f"layers.{i}.ffn": Placement.STREAMED if i % 2 else Placement.CPU for i in range(12)}
+    placement["layers.3.attn"] = Placement.STREAMED
+
+    class PlanSet:
+        def for_tokens(self, n):
+            assert n == 1
+            return SimpleNamespace(placement=placement)
+
+    class Eng:
+        planset = PlanSet()
+
+    assert resolve_variant(Eng(), ("streamed-ffn:3", "head")) == ("layers.3.ffn", "layers.7.ffn", "layers.11.ffn", "head")
+    assert resolve_variant(Eng(), ("streamed-ffn:9",)) == tuple(f"layers.{i}.ffn" for i in range(1, 12, 2))
+    assert resolve_variant(Eng(), ("layers.*.attn",)) == ("layers.*.attn",)
