@@ -180,6 +180,13 @@ def _load():
                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
                                        ctypes.c_void_p, ctypes.c_void_p]
         lib.sl_attn_decode.restype = ctypes.c_int
+        lib.sl_attn_decode_many.argtypes = [
+            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+            ctypes.c_void_p]
+        lib.sl_attn_decode_many.restype = ctypes.c_int
         lib.sl_ffn_layer.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                      ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_void_p]
@@ -628,9 +635,28 @@ def attention_decode(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float, he
     block ids (int64). None (nothing written) where it does not apply: another dtype or layout, no vector
     attention kernel (`attention_ready`), a matmul the tensor path would leave to PyTorch (its bits would
     differ), the pool busy."""
-    if not attention_ready() or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2 or x.shape[0] != 1:
+    if x.dim() != 2 or x.shape[0] != 1:
         return None
-    dtype, H = x.dtype, x.shape[1]
+    return attention_decode_many(x, w, eps, heads, kv_heads, cos.reshape(1, -1), sin.reshape(1, -1), k_pool, v_pool,
+                                 [table], [pos])
+
+
+ATTN_MAX_B = 64     # tokens of one attention_decode_many call (ATTN_MAX_B in cpu_linear.c)
+
+
+def attention_decode_many(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float, heads: int, kv_heads: int,
+                          cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                          tables: list[torch.Tensor], positions: list[int]) -> torch.Tensor | None:
+    """`attention_decode` for B decode tokens of B sequences at once (`sl_attn_decode_many`; a continuous
+    batch's step): x [B, H], cos and sin [B, d] (row b at token b's position), token b written at
+    positions[b] of the blocks tables[b] and attending over 0..positions[b]. The projections run as one
+    matmul of B rows, as the tensor path's do (same bits); None where that matmul would not be the
+    library's (more rows than `max_rows`), or where `attention_decode` would decline."""
+    if not attention_ready() or x.dtype not in (torch.bfloat16, torch.float16) or x.dim() != 2:
+        return None
+    B, (dtype, H) = x.shape[0], (x.dtype, x.shape[1])
+    if not 0 < B <= ATTN_MAX_B or len(tables) != B or len(positions) != B:
+        return None
     qkv, o, nw = w.get("qkv.weight"), w.get("o.weight"), w.get("attn_norm.weight")
     bias, qn, kn = w.get("qkv.bias"), w.get("q_norm.weight"), w.get("k_norm.weight")
     if bias is None and "q.bias" in w:         # (the biases' packing left gaps between them: no stacked view)
@@ -638,16 +664,16 @@ def attention_decode(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float, he
     d = k_pool.shape[-1] if k_pool.dim() == 4 else 0
     if (qkv is None or o is None or nw is None or not d or (qn is None) != (kn is None) or not x.is_contiguous()
             or qkv.shape != ((heads + 2 * kv_heads) * d, H) or o.shape != (H, heads * d)
-            or not usable(x, qkv) or o.dtype != dtype or not _takes(1, o)
+            or not usable(x, qkv) or o.dtype != dtype or not _takes(B, o)
             or not qkv.is_contiguous() or not o.is_contiguous() or nw.shape != (H,) or not nw.is_contiguous()
             or nw.dtype not in (dtype, torch.float32) or nw.device.type != "cpu"
             or (bias is not None and (bias.dtype != dtype or bias.shape != (qkv.shape[0],) or not bias.is_cpu))
             or k_pool.dtype != dtype or v_pool.dtype != dtype or k_pool.shape != v_pool.shape
             or k_pool.shape[1] != KV_BLOCK or k_pool.shape[2] != kv_heads or d > MAX_HEAD_DIM
             or not (k_pool.is_cpu and v_pool.is_cpu and k_pool.is_contiguous() and v_pool.is_contiguous())
-            or cos.dtype != dtype or sin.dtype != dtype or cos.numel() != d or sin.numel() != d
+            or cos.dtype != dtype or sin.dtype != dtype or cos.shape != (B, d) or sin.shape != (B, d)
             or not (cos.is_cpu and sin.is_cpu and cos.is_contiguous() and sin.is_contiguous())
-            or table.dtype != torch.int64 or not table.is_cpu or not table.is_contiguous()):
+            or any(t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() for t in tables)):
         return None
     if qn is not None and (qn.dtype != kn.dtype or qn.dtype not in (dtype, torch.float32) or qn.shape != (d,)
                            or kn.shape != (d,) or not (qn.is_cpu and kn.is_cpu and qn.is_contiguous()
@@ -656,13 +682,17 @@ def attention_decode(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float, he
     lib = _lib
     _sync_threads(lib)     # (the call's jobs run on the pool: at torch's thread count, as every other call's)
     out = torch.empty_like(x)
+    ptrs = (ctypes.c_void_p * B)(*[t.data_ptr() for t in tables])
+    lens = (ctypes.c_int64 * B)(*[t.numel() for t in tables])
+    pos = (ctypes.c_int64 * B)(*positions)
     with _busy:
-        rc = lib.sl_attn_decode(_DTYPES[dtype], _DTYPES[nw.dtype], x.data_ptr(), H, nw.data_ptr(), float(eps),
-                                qkv.data_ptr(), None if bias is None else bias.data_ptr(), heads, kv_heads, d,
-                                _DTYPES[qn.dtype] if qn is not None else 0, None if qn is None else qn.data_ptr(),
-                                None if kn is None else kn.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                                k_pool.data_ptr(), v_pool.data_ptr(), k_pool.shape[0], table.data_ptr(),
-                                table.numel(), pos, 1.0 / math.sqrt(d), o.data_ptr(), out.data_ptr())
+        rc = lib.sl_attn_decode_many(_DTYPES[dtype], _DTYPES[nw.dtype], x.data_ptr(), B, H, nw.data_ptr(),
+                                     float(eps), qkv.data_ptr(), None if bias is None else bias.data_ptr(), heads,
+                                     kv_heads, d, _DTYPES[qn.dtype] if qn is not None else 0,
+                                     None if qn is None else qn.data_ptr(), None if kn is None else kn.data_ptr(),
+                                     cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                                     k_pool.shape[0], ptrs, lens, pos, 1.0 / math.sqrt(d), o.data_ptr(),
+                                     out.data_ptr())
     return out if rc == 0 else None
 
 

@@ -1525,64 +1525,97 @@ void sl_phase_read(double *out) {
     out[10] = (double)ffn_phase_calls; ffn_phase_calls = 0;
 }
 
-int sl_attn_decode(int dtype, int ndtype, const void *x, int64_t H, const void *norm_w, float eps,
-                   const void *qkv_w, const void *qkv_b, int64_t nh, int64_t nkv, int64_t d, int qndtype,
-                   const void *qn_w, const void *kn_w, const void *cos, const void *sin, void *k_pool, void *v_pool,
-                   int64_t n_blocks, const int64_t *table, int64_t table_len, int64_t pos, float scale,
-                   const void *o_w, void *out) {
+/* The same for `B` decode tokens of `B` sequences at once (a continuous batch's step): x [B][H], cos and
+ * sin [B][d] (each token's position), token b written at pos[b] of the pool rows of its table tables[b]
+ * (table_lens[b] blocks) and attending over 0..pos[b]; out [B][H]. The projections are one matmul job of B
+ * rows each, the attention one job over the B sequences, as the tensor path runs them (kernels.linear over
+ * the step's rows, KVCache.attend_decode over its sequences): the same bits. */
+#define ATTN_MAX_B 64
+int sl_attn_decode_many(int dtype, int ndtype, const void *x, int64_t B, int64_t H, const void *norm_w, float eps,
+                        const void *qkv_w, const void *qkv_b, int64_t nh, int64_t nkv, int64_t d, int qndtype,
+                        const void *qn_w, const void *kn_w, const void *cos, const void *sin, void *k_pool,
+                        void *v_pool, int64_t n_blocks, const int64_t *const *tables, const int64_t *table_lens,
+                        const int64_t *pos, float scale, const void *o_w, void *out) {
     if ((dtype != DT_BF16 && dtype != DT_F16) || (ndtype != dtype && ndtype != DT_F32) || H <= 0 || nh < 1
-        || nkv < 1 || nh % nkv || d < 2 || d % 2 || d > ATT_MAX_D || pos < 0 || pos / KV_BLOCK >= table_len
+        || nkv < 1 || nh % nkv || d < 2 || d % 2 || d > ATT_MAX_D || B < 1 || B > ATTN_MAX_B
         || (qn_w && (qndtype != dtype && qndtype != DT_F32)))
         return -1;
-    const int64_t row = table[pos / KV_BLOCK] * KV_BLOCK + pos % KV_BLOCK;
-    if (table[pos / KV_BLOCK] < 0 || table[pos / KV_BLOCK] >= n_blocks) return -1;
+    int64_t rows[ATTN_MAX_B], lengths[ATTN_MAX_B];
+    for (int64_t b = 0; b < B; b++) {
+        if (pos[b] < 0 || pos[b] / KV_BLOCK >= table_lens[b]) return -1;
+        const int64_t blk = tables[b][pos[b] / KV_BLOCK];
+        if (blk < 0 || blk >= n_blocks) return -1;
+        rows[b] = blk * KV_BLOCK + pos[b] % KV_BLOCK;
+        lengths[b] = pos[b] + 1;
+    }
+    for (int64_t b = 0; b < B; b++)                        /* two tokens must not write one cache row */
+        for (int64_t c = 0; c < b; c++)
+            if (rows[b] == rows[c]) return -1;
     if (pool.n == 0) sl_set_threads(1, -1);
     const size_t es = 2;
     const int64_t nq = nh * d, nk = nkv * d, nqkv = nq + 2 * nk, half = d / 2;
-    uint16_t *buf = malloc((size_t)(H + nqkv + (nq + nk) * 2 + nq + H) * es);
+    uint16_t *buf = malloc((size_t)B * (H + nqkv + (nq + nk) * 2 + nq + H) * es);
     if (!buf) return -1;
-    uint16_t *h = buf, *qkv = h + H, *qkn = qkv + nqkv, *rq = qkn + nq + nk, *att = rq + nq + nk, *o = att + nq;
+    uint16_t *h = buf, *qkv = h + B * H, *qkn = qkv + B * nqkv, *rq = qkn + B * (nq + nk),
+             *att = rq + B * (nq + nk), *o = att + B * nq;
     const int timing = atomic_load(&phase_timing);
     double t0 = timing ? now_s() : 0;
 
-    sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, 1, H, 0, 0, eps);
+    sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, B, H, 0, 0, eps);
     PHASE(attn_phase_s, 0, t0);
-    linear_job j1 = {dtype, h, qkv_w, qkv_b, qkv, 1, nqkv, H, NULL};
+    linear_job j1 = {dtype, h, qkv_w, qkv_b, qkv, B, nqkv, H, NULL};
     run_jobs(&j1, 1);
     PHASE(attn_phase_s, 1, t0);
-    const uint16_t *qk = qkv;
-    if (qn_w) {
-        sl_rms_norm(dtype, qndtype, qkv, qn_w, kn_w, qkn, nh + nkv, d, nh + nkv, nh, eps);
-        qk = qkn;
-    }
-    for (int64_t hd = 0; hd < nh + nkv; hd++) {           /* RoPE: x * cos + rotate_half(x) * sin */
-        const uint16_t *xr = qk + hd * d;
-        for (int64_t i = 0; i < d; i++) {
-            float xv = load_elem(dtype, xr, i);
-            float r = i < half ? -load_elem(dtype, xr, i + half) : load_elem(dtype, xr, i - half);
-            float a = round_to(dtype, xv * load_elem(dtype, cos, i));
-            float b = round_to(dtype, r * load_elem(dtype, sin, i));
-            store_elem(dtype, rq, hd * d + i, a + b);
+    for (int64_t b = 0; b < B; b++) {
+        const uint16_t *qk = qkv + b * nqkv;
+        if (qn_w) {
+            sl_rms_norm(dtype, qndtype, qk, qn_w, kn_w, qkn + b * (nq + nk), nh + nkv, d, nh + nkv, nh, eps);
+            qk = qkn + b * (nq + nk);
         }
+        const void *cb = (const uint16_t *)cos + b * d, *sb = (const uint16_t *)sin + b * d;
+        uint16_t *rb = rq + b * (nq + nk);
+        for (int64_t hd = 0; hd < nh + nkv; hd++) {       /* RoPE: x * cos + rotate_half(x) * sin */
+            const uint16_t *xr = qk + hd * d;
+            for (int64_t i = 0; i < d; i++) {
+                float xv = load_elem(dtype, xr, i);
+                float r = i < half ? -load_elem(dtype, xr, i + half) : load_elem(dtype, xr, i - half);
+                float a = round_to(dtype, xv * load_elem(dtype, cb, i));
+                float c = round_to(dtype, r * load_elem(dtype, sb, i));
+                store_elem(dtype, rb, hd * d + i, a + c);
+            }
+        }
+        memcpy((uint16_t *)k_pool + rows[b] * nk, rb + nq, nk * es);
+        memcpy((uint16_t *)v_pool + rows[b] * nk, qkv + b * nqkv + nq + nk, nk * es);
     }
-    memcpy((uint16_t *)k_pool + row * nk, rq + nq, nk * es);
-    memcpy((uint16_t *)v_pool + row * nk, qkv + nq + nk, nk * es);
     PHASE(attn_phase_s, 2, t0);
-    const void *qp = rq;
-    void *op = att;
-    const int64_t L = pos + 1;
-    int rc = sl_paged_attention(dtype, 1, &qp, &op, &table, &table_len, &L, k_pool, v_pool, n_blocks, nh, nkv, d,
-                                d, d, scale);
+    const void *qp[ATTN_MAX_B];
+    void *op[ATTN_MAX_B];
+    for (int64_t b = 0; b < B; b++) {
+        qp[b] = rq + b * (nq + nk);
+        op[b] = att + b * nq;
+    }
+    int rc = sl_paged_attention(dtype, (int)B, qp, op, tables, table_lens, lengths, k_pool, v_pool, n_blocks, nh,
+                                nkv, d, d, d, scale);
     PHASE(attn_phase_s, 3, t0);
     if (rc == 0) {
-        linear_job j2 = {dtype, att, o_w, NULL, o, 1, H, nq, NULL};
+        linear_job j2 = {dtype, att, o_w, NULL, o, B, H, nq, NULL};
         run_jobs(&j2, 1);
-        for (int64_t i = 0; i < H; i++) store_elem(dtype, out, i, load_elem(dtype, x, i) + load_elem(dtype, o, i));
+        for (int64_t i = 0; i < B * H; i++)
+            store_elem(dtype, out, i, load_elem(dtype, x, i) + load_elem(dtype, o, i));
     }
     PHASE(attn_phase_s, 4, t0);
     if (timing) attn_phase_calls++;
     free(buf);
     return rc;
+}
+
+int sl_attn_decode(int dtype, int ndtype, const void *x, int64_t H, const void *norm_w, float eps,
+                   const void *qkv_w, const void *qkv_b, int64_t nh, int64_t nkv, int64_t d, int qndtype,
+                   const void *qn_w, const void *kn_w, const void *cos, const void *sin, void *k_pool, void *v_pool,
+                   int64_t n_blocks, const int64_t *table, int64_t table_len, int64_t pos, float scale,
+                   const void *o_w, void *out) {
+    return sl_attn_decode_many(dtype, ndtype, x, 1, H, norm_w, eps, qkv_w, qkv_b, nh, nkv, d, qndtype, qn_w, kn_w,
+                               cos, sin, k_pool, v_pool, n_blocks, &table, &table_len, &pos, scale, o_w, out);
 }
 
 /* ---- a dense SwiGLU FFN sub-layer for a few rows on the CPU in one call ----------------------------

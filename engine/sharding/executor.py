@@ -138,6 +138,8 @@ class Executor:
         self._cpu_tables: dict[str, tuple] = {}   # router -> (plan, its groups, their weights, expert table)
         # a one-token attention on the CPU as one native call (`kernels.attention_decode`; 0: A/B runs)
         self.cpu_attention_call = os.environ.get("SLIPSTREAM_CPU_ATTENTION_CALL", "1") != "0"
+        # a batch's decode tokens through one such call (`kernels.attention_decode_many`; 0: A/B runs)
+        self.cpu_attention_batch = os.environ.get("SLIPSTREAM_CPU_ATTENTION_BATCH", "1") != "0"
         # A GPU expert group in a step of more than moe.FEW_TOKENS tokens runs in padded runs
         # (`moe.experts_padded`); False (SLIPSTREAM_MOE_PADDED=0, for A/B runs): one expert at a time
         self.padded_moe = os.environ.get("SLIPSTREAM_MOE_PADDED", "1") != "0"
@@ -626,15 +628,24 @@ class Executor:
 
         cos, sin = cos_sin
         pool = self.kv.pools[layer]
-        if (self.cpu_attention_call and not x.is_cuda and len(segs) == 1 and segs[0].n == 1 and not host_kv
-                and not pool.on_gpu and not pool.fp8 and pool.parts is not None and segs[0].masks[dev] is None
+        if (self.cpu_attention_call and not x.is_cuda and (len(segs) == 1 or self.cpu_attention_batch)
+                and all(s.n == 1 and s.masks[dev] is None for s in segs)
+                and not host_kv and not pool.on_gpu and not pool.fp8 and pool.parts is not None
                 and self.plan.placement[f"layers.{layer}.attn"] is Placement.CPU):
-            # one native call (`kernels.attention_decode`): norm, projections, q/k norms, RoPE, the cache
-            # write, attention and the output projection, with the tensor path's bits
-            s = segs[0]
-            y = kernels.attention_decode(x, w, self.cfg.rms_norm_eps, self.cfg.num_heads, self.cfg.num_kv_heads,
-                                         cos[0], sin[0], pool.parts[0], pool.parts[1],
-                                         self.kv.decode_table(s.seq, s.start + 1), s.start)
+            # one native call (`kernels.attention_decode`; a batch's decode tokens together,
+            # `attention_decode_many`): norm, projections, q/k norms, RoPE, the cache writes, attention and the
+            # output projection, with the tensor path's bits
+            cfg = self.cfg
+            if len(segs) == 1:
+                s = segs[0]
+                y = kernels.attention_decode(x, w, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cos[0], sin[0],
+                                             pool.parts[0], pool.parts[1], self.kv.decode_table(s.seq, s.start + 1),
+                                             s.start)
+            else:
+                y = kernels.attention_decode_many(x, w, cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cos, sin,
+                                                  pool.parts[0], pool.parts[1],
+                                                  [self.kv.decode_table(s.seq, s.start + 1) for s in segs],
+                                                  [s.start for s in segs])
             if y is not None:
                 return y
         if (self.graphs is not None and self.graphs.applies(x) and self.graph_attention and len(segs) == 1

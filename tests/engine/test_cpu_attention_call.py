@@ -110,3 +110,79 @@ def test_the_attention_call_runs_its_jobs_at_torchs_thread_count(monkeypatch):
     y = kernels.attention_decode(torch.randn(1, 256, dtype=torch.bfloat16), ab.blocks[0], 1e-5, 4, 2, cos[0], sin[0],
                                  pool.parts[0], pool.parts[1], ab.kv.decode_table(ab.seq, 33), 32)
     assert y is not None and synced == [1]
+
+
+def _batched(path, dtype: str, monkeypatch, call: str, batch: str = "1"):
+    """Four prompts of different lengths generated together on the CPU (steps run here, one by one):
+    (each request's tokens, the logits of every step that decoded several sequences, the calls of
+    attention_decode_many that returned a result, the KV pools at the end)."""
+    from engine.backends.torch_engine import TorchEngine
+    from engine.loading import load_model
+
+    monkeypatch.setenv("SLIPSTREAM_CPU_ATTENTION_CALL", call)
+    monkeypatch.setenv("SLIPSTREAM_CPU_ATTENTION_BATCH", batch)
+    loaded = load_model(path)
+    loaded.config = dataclasses.replace(loaded.config, dtype=dtype)
+    loaded.weights = {k: v.to(getattr(torch, dtype)) for k, v in loaded.weights.items()}
+    eng = TorchEngine(loaded, device="cpu", speculative=False)
+    steps, many = [], []
+    fb = eng.executor.forward_batch
+
+    def forward_batch(items):
+        out = fb(items)
+        if len(items) > 1 and all(len(it.ids) == 1 for it in items):
+            steps.append(torch.cat(out).clone())
+        return out
+
+    real = kernels.attention_decode_many
+    monkeypatch.setattr(kernels, "attention_decode_many",
+                        lambda *a, **k: (y := real(*a, **k)) is not None and many.append(a[0].shape[0]) or y)
+    eng.executor.forward_batch = forward_batch
+    prompts = ["a b c", "d e f g h i j k l m n o p q r s t", "u v", "w x y z a b c d e f g"]
+    handles = [eng.submit(p, max_new_tokens=10, background=False) for p in prompts]
+    while eng.step_batch():
+        pass
+    tokens = [h.result().token_ids for h in handles]
+    pools = [[p.clone() for p in pool.parts] for pool in eng.executor.kv.pools if pool.parts is not None]
+    eng.close()
+    return tokens, steps, many, pools
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama3", "qwen2", "qwen3"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_batch_of_decode_tokens_in_one_call_matches_the_tensor_path(tiny_model, arch, dtype, monkeypatch):
+    """A continuous batch's decode tokens (several sequences at different positions) through one native call
+    (`kernels.attention_decode_many`) give the tensor path's logits at every step and leave the same cache."""
+    monkeypatch.setattr(kernels, "MIN_WEIGHTS", 0)
+    monkeypatch.setattr(kernels, "MIN_WEIGHTS_16BIT", 0)
+    path = tiny_model(arch)
+    tokens, steps, many, pools = _batched(path, dtype, monkeypatch, "1")
+    assert steps and many and max(many) == 4                # the batch's decode steps went through the call
+    tokens_off, steps_off, many_off, pools_off = _batched(path, dtype, monkeypatch, "0")
+    assert not many_off
+    assert not _batched(path, dtype, monkeypatch, "1", batch="0")[2]     # (the A/B switch of the batched call)
+    assert tokens == tokens_off
+    assert len(steps) == len(steps_off) and all(torch.equal(a, b) for a, b in zip(steps, steps_off))
+    assert all(torch.equal(a, b) for la, lb in zip(pools, pools_off) for a, b in zip(la, lb))
+
+
+@needs_kernel
+def test_the_batched_call_refuses_two_tokens_on_one_cache_row():
+    """Two tokens whose tables and positions name one pool row would race on it: None, nothing written."""
+    from engine.sharding import measure
+
+    sizes = measure.Sizes(hidden=256, ffn=512, vocab=256, heads=4, head_dim=64, ctx=32, tokens=(1,), min_time_s=0.01,
+                          rotate_bytes=1 << 20, dtypes=("bfloat16",), kv_heads=2)
+    ab = measure._attention_blocks(sizes, ctx=32, n_max=1)
+    pool = ab.kv.pools[0]
+    cos, sin, _ = ab.steps[1]
+    table = ab.kv.decode_table(ab.seq, 33)
+    before = [p.clone() for p in pool.parts]
+    two = torch.cat([cos[:1], cos[:1]]), torch.cat([sin[:1], sin[:1]])
+    y = kernels.attention_decode_many(torch.randn(2, 256, dtype=torch.bfloat16), ab.blocks[0], 1e-5, 4, 2, *two,
+                                      pool.parts[0], pool.parts[1], [table, table], [32, 32])
+    assert y is None and all(torch.equal(a, b) for a, b in zip(pool.parts, before))
+    one = kernels.attention_decode_many(torch.randn(2, 256, dtype=torch.bfloat16), ab.blocks[0], 1e-5, 4, 2, *two,
+                                        pool.parts[0], pool.parts[1], [table, table], [32, 31])
+    assert one is not None and one.shape == (2, 256)
