@@ -118,10 +118,10 @@ def probe_rates(weight_mib: int = 1024, copy_mib: int = 256, min_s: float = 0.3,
     out = {"cpu_gemv_gbps": round(alone, 2), "cpu_gemv_with_copy_gbps": None, "h2d_gbps": None,
            "h2d_with_cpu_gbps": None}
     if cuda:
-        dev_index = torch.device(device if device is not None else "cuda")
+        where = torch.device(device if device is not None else "cuda")
         host = torch.empty(copy_mib << 20, dtype=torch.uint8, pin_memory=True)
         host.fill_(1)
-        dev, stream = torch.empty_like(host, device=dev_index), torch.cuda.Stream(dev_index)
+        dev, stream = torch.empty_like(host, device=where), torch.cuda.Stream(where)
         copy_gbps(dev, host, stream, 1)
         h2d = statistics.median(copy_gbps(dev, host, stream, 2) for _ in range(3))
         with_copy, copies = beside_copies(fn, nbytes, alone, dev, host, stream, h2d)
