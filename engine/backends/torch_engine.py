@@ -171,6 +171,8 @@ class TorchEngine(Engine):
         self._planner = None
         self._profile = profile
         self.rate_probe: dict | None = None       # the rates the plans were moved to (_at_rates_now)
+        # small-step tiers planned apart from the prompts' (Planner split_small; SLIPSTREAM_PLAN_SPLIT=1)
+        self._split_plans = os.environ.get("SLIPSTREAM_PLAN_SPLIT", "0") == "1"
         self.planset = None
         self._pending_budget: int | None = None
         self._pending_reason = "set_vram_budget"
@@ -278,7 +280,7 @@ class TorchEngine(Engine):
             prof = self._profile
             if prof is None:
                 prof = self._at_rates_now(ProfileDatabase.for_device(self.device))
-            self._planner = Planner(self.spec, prof, tiers=self.tiers)
+            self._planner = Planner(self.spec, prof, tiers=self.tiers, split_small=self._split_plans)
         return self._planner
 
     def _at_rates_now(self, prof):
@@ -477,6 +479,18 @@ class TorchEngine(Engine):
             if self.planset is not None:
                 self._set_budget_now(self.budget, "profile changed")
 
+    def split_plans(self, flag: bool) -> None:
+        """Plan the small-step tiers (decode, small batches) apart from the prompts' tiers from now on
+        (`Planner(split_small=True)`: they may keep fewer layers' KV cache or another head placement in
+        VRAM, the moves at each switch priced), re-planning at once; False goes back to one choice for all
+        tiers. Off by default (SLIPSTREAM_PLAN_SPLIT=1 turns it on): measured on the GPU machine only
+        against the shared choice, in one engine (`engine.bench.decode_runs --split-variants`)."""
+        self._require_open()
+        with self._lock:
+            self._split_plans, self._planner = bool(flag), None
+            if self.planset is not None:
+                self._set_budget_now(self.budget, f"small-step tiers planned {'apart' if flag else 'with the rest'}")
+
     def move_to_cpu(self, patterns: tuple[str, ...] | list[str] = ()) -> None:
         """From now on compute the sub-layers whose names match `patterns` ("layers.*.attn", "head") on the
         CPU in every plan, whatever the planner chose, re-planning at once; () goes back to the planner's
@@ -501,6 +515,7 @@ class TorchEngine(Engine):
 
         rep["cpu_matmul"] = kernels.status()
         rep["rate_probe"] = self.rate_probe
+        rep["split_plans"] = self._split_plans
         if self.vision is not None:
             rep["vision"] = self._vision_report()
         return rep

@@ -16,7 +16,8 @@ engine opens (`ProfileDatabase.at_rates`). `--threads A,B` does the same for the
 pool follows), under one plan, `--spins A,B` for the native pool's spin before its workers sleep
 (`kernels.set_spin`; with `--cpu-variants`, each spin count runs a whole round of the variants), and `--cpu-variants none,layers.*.attn+head` for the planner's plan against the
 same plan with the named sub-layers computed on the CPU (`TorchEngine.move_to_cpu`; patterns joined by "+";
-`streamed-ffn:N`: N of the FFNs the planner's one-token plan streams, evenly spaced).
+`streamed-ffn:N`: N of the FFNs the planner's one-token plan streams, evenly spaced); `--split-variants off,on`
+for the small-step tiers planned with the prompts' tiers or apart (`TorchEngine.split_plans`).
 Prints a table and writes decode_runs.json.
 """
 
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU thread counts the runs take turns at (comma-separated; torch's and the native pool's)")
     ap.add_argument("--spins", default="",
                     help="native pool spin counts the runs take turns at (comma-separated pause instructions)")
+    ap.add_argument("--split-variants", default="",
+                    help="comma-separated off/on: the runs take turns with the small-step tiers planned with the "
+                         "prompts' or apart (TorchEngine.split_plans)")
     ap.add_argument("--cpu-variants", default="",
                     help="placements the runs take turns at: comma-separated, each 'none' (the planner's plan) or "
                          "sub-layer name patterns joined by '+' that the plan computes on the CPU")
@@ -99,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             profiles.append(profile_from_file(name))
     args.probed = probed
 
+    splits = [v for v in args.split_variants.split(",") if v]
+    if any(v not in ("off", "on") for v in splits):
+        ap.error(f"--split-variants {args.split_variants}: expected off and on, comma-separated")
+    args.splits = [v == "on" for v in splits]
     spins = [int(s) for s in args.spins.split(",") if s]
     if any(s < 0 for s in spins):
         ap.error(f"--spins {args.spins}: spin counts must be at least 0")
@@ -112,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
             from engine import kernels
 
             kernels.set_spin(int(os.environ.get("SLIPSTREAM_KERNEL_SPIN", kernels.SPIN)))
+
+
+def _onoff(flag: bool | None) -> str:
+    return "-" if flag is None else "on" if flag else "off"
 
 
 def _short(profile: str | None) -> str:
@@ -171,6 +183,9 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
         if threads:
             torch.set_num_threads(threads[i % len(threads)])
             one_run(eng, 190 + i, salt, 4)              # (the pool restarts at its first call)
+        if args.splits:
+            eng.split_plans(args.splits[i % len(args.splits)])
+            one_run(eng, 490 + i, salt, 4)              # (the switch's weight moves out of the timed run)
         if spins:
             from engine import kernels
 
@@ -190,21 +205,22 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
         rows[-1]["nvml_poll_s"] = args.poll_s if polled else None
         rows[-1]["profile"] = names[i % len(names)] if names else None
         rows[-1]["threads"] = torch.get_num_threads()
+        rows[-1]["split_plans"] = args.splits[i % len(args.splits)] if args.splits else None
         rows[-1]["spin"] = spins[_spin_turn(i, spins, variants)] if spins else None
         rows[-1]["moved_to_cpu"] = "+".join(variants[i % len(variants)]) or "none" if variants else None
         rows[-1]["variant"] = asked[i % len(asked)] if variants else None
-    print("| run | profile | threads | spin | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | profile | threads | spin | split | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["token_ms"]
         copied = (r["counters"]["streamed_bytes"] or 0) / max(len(t) + 1, 1) / 2**20
-        print(f"| {r['run']} | {_short(r['profile'])} | {r['threads']} | {r['spin'] if r['spin'] is not None else '-'} | {r['variant'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
+        print(f"| {r['run']} | {_short(r['profile'])} | {r['threads']} | {r['spin'] if r['spin'] is not None else '-'} | {_onoff(r['split_plans'])} | {r['variant'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
               f"{statistics.median(t):.1f} | {max(t):.1f} | "
               f"{r['plan']['tier']}/{r['plan']['kind']} {r['plan']['predicted_ms']:.1f} | {r['kv_tokens']} | "
               f"{'; '.join(x['reason'] for x in r['replans']) or '-'} | {copied:.1f} |", flush=True)
     eng.close()
     path = write_report(args.out, "decode_runs", {"shape": args.shape, "budget": args.budget, "device": args.device,
-                                                  "profiles": names, "probed_rates": args.probed, "threads": threads, "spins": spins,
+                                                  "profiles": names, "probed_rates": args.probed, "split_variants": args.splits, "threads": threads, "spins": spins,
                                                   "cpu_variants": ["+".join(v) or "none" for v in variants], "rows": rows},
                         "python -m engine.bench.decode_runs " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"wrote {path}")

@@ -58,6 +58,10 @@ from engine.units import format_bytes, parse_bytes
 
 _PLACEMENT = {CPU: Placement.CPU, RES: Placement.RESIDENT, STR: Placement.STREAMED, HKV: Placement.STREAMED}
 REFERENCE_DECODE = 256   # decode steps in the reference workload that `score` prices
+# With `split_small`, tiers up to this many tokens (decode, small batches: the steps that keep one plan,
+# TorchEngine.SMALL_STEP) may share k and the head's residency among themselves instead of with the larger
+# tiers, the KV and head moves at each switch priced (`Planner._split_cost`).
+SPLIT_TIER = 16
 _M_STEPS = (*range(17), 20, 24, 28, 32, 45, 64, 90, 128)   # streamed FFN counts tried (one FFN moves a
 # decode step's balance between the CPU and the copy engine by several milliseconds: fine steps where it counts)
 # Attention over host-resident KV only for steps of at least this many tokens: each such layer's copies
@@ -256,10 +260,11 @@ class Planner:
     """Plans for one model on one profile: `plan(budget)` -> PlanSet; `estimate(plan, n, ctx)` -> ms."""
 
     def __init__(self, spec: ModelSpec, prof: ProfileDatabase, tiers: tuple[int, ...] = DEFAULT_TIERS,
-                 n_slots: int = 2, head_rows: int | None = 1):
+                 n_slots: int = 2, head_rows: int | None = 1, split_small: bool = False):
         if not tiers or any(int(t) < 1 for t in tiers):
             raise BadInputError(f"tiers={tiers!r}: expected positive token counts")
         self.spec, self.prof = spec, prof
+        self.split_small = split_small
         self.tiers = tuple(sorted({int(t) for t in tiers}))
         self.n_slots = max(1, int(n_slots))
         self.estimator = Estimator(spec, prof, head_rows)
@@ -348,21 +353,28 @@ class Planner:
         kv_tokens = max(int(kv_tokens), 0)
         if self.family is None:
             return self._all_cpu(budget, kv_tokens, kind, strict)
-        best = None
+        hits: dict[int, list] = {}          # group -> per tier: ((member, ms), of the forced kind) or None
         for group in np.unique(self.family.group):
-            picks, n_strict = [], 0
+            row = hits[int(group)] = []
             for ti in range(len(self.tiers)):
-                hit = None
+                hit, strict_hit = None, False
                 if kind != "auto" and (front := self._front(kv_tokens, kind, int(group), ti)) is not None:
                     hit = front.lookup(budgets[ti])
-                    n_strict += hit is not None
+                    strict_hit = hit is not None
                 if hit is None and (front := self._front(kv_tokens, "auto", int(group), ti)) is not None:
                     hit = front.lookup(budgets[ti])
-                if hit is None:
-                    break
-                picks.append(hit)
-            else:
-                cand = (-n_strict, score([(t, ms) for t, (_, ms) in zip(self.tiers, picks)]))
+                row.append(None if hit is None else (hit, strict_hit))
+        small = [ti for ti, t in enumerate(self.tiers) if t <= SPLIT_TIER] if self.split_small else []
+        best = None
+        for g_small in (hits if small else (None,)):
+            for g_large in hits:
+                row = [hits[g_small][ti] if ti in small else hits[g_large][ti] for ti in range(len(self.tiers))]
+                if any(h is None for h in row):
+                    continue
+                picks = [h for h, _ in row]
+                cand = (-sum(st for _, st in row),
+                        score([(t, ms) for t, (_, ms) in zip(self.tiers, picks)])
+                        + self._split_cost(g_small, g_large, kv_tokens))
                 if best is None or cand < best[0]:
                     best = (cand, picks)
         if strict and kind != "auto" and -best[0][0] < len(self.tiers):
@@ -372,6 +384,20 @@ class Planner:
         plans = [self._make_plan(m, ms, tier, kind, kv_tokens, b)
                  for (m, ms), tier, b in zip(best[1], self.tiers, budgets)]
         return PlanSet(budget, plans, step_tokens=best_step_tokens(plans))
+
+    def _split_cost(self, g_small: int | None, g_large: int, kv_tokens: int) -> float:
+        """What `score`'s reference workload pays for small tiers planned in another group than the large
+        ones: at each of its inputs, the KV cache of the layers between the two k and the head where its
+        residency differs move over PCIe, to the large tiers' plan and back (plan switches move weights
+        anyway; these moves come on top)."""
+        if g_small is None or g_small == g_large:
+            return 0.0
+        (k_s, head_s), (k_l, head_l) = divmod(g_small, 2), divmod(g_large, 2)
+        moved = kv_cache_bytes(self.spec, kv_tokens, abs(k_s - k_l))
+        if head_s != head_l:
+            moved += sublayer_bytes(self.spec)["head"]
+        n_inputs = sum(1 for t in self.tiers if t > SPLIT_TIER)
+        return n_inputs * 2 * self.prof.copy_ms(moved)
 
     def min_budget(self, kind: str, kv_tokens: int = 4096) -> int:
         """The smallest budget with a plan of `kind` for every tier (0 for "auto": all on the CPU)."""

@@ -152,3 +152,15 @@ def test_streamed_ffn_variants_name_ffns_the_plan_streams(tmp_path):
     assert resolve_variant(Eng(), ("streamed-ffn:3", "head")) == ("layers.3.ffn", "layers.7.ffn", "layers.11.ffn", "head")
     assert resolve_variant(Eng(), ("streamed-ffn:9",)) == tuple(f"layers.{i}.ffn" for i in range(1, 12, 2))
     assert resolve_variant(Eng(), ("layers.*.attn",)) == ("layers.*.attn",)
+
+
+def test_decode_runs_take_turns_with_split_plans(tmp_path):
+    """`--split-variants off,on`: the runs alternate between the small-step tiers planned with the prompts'
+    and apart (`TorchEngine.split_plans`), each run recording which."""
+    from engine.bench import decode_runs
+
+    assert decode_runs.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--runs", "4",
+                             "--tokens", "4", "--split-variants", "off,on", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode_runs.json").read_text())
+    assert report["split_variants"] == [False, True]
+    assert [r["split_plans"] for r in report["rows"]] == [False, True, False, True]
