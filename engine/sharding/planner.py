@@ -58,10 +58,12 @@ from engine.units import format_bytes, parse_bytes
 
 _PLACEMENT = {CPU: Placement.CPU, RES: Placement.RESIDENT, STR: Placement.STREAMED, HKV: Placement.STREAMED}
 REFERENCE_DECODE = 256   # decode steps in the reference workload that `score` prices
-# With `split_small`, tiers up to this many tokens (decode, small batches: the steps that keep one plan,
-# TorchEngine.SMALL_STEP) may share k and the head's residency among themselves instead of with the larger
-# tiers, the KV and head moves at each switch priced (`Planner._split_cost`).
-SPLIT_TIER = 16
+# With `split_small`, tiers up to this many tokens (decode, a few streams) may share k and the head's
+# residency among themselves instead of with the larger tiers, the KV and head moves at each switch priced
+# (`Planner._split_cost`). 4, not 16: with tier 16 in the small group the H200 profile predicted slower
+# 16-token steps (MoE 2 GiB 184.1 against 169.8 ms, Llama 8 GiB 126.6 against 108.7) for the same one-token
+# plans; with it among the large tiers, 169.8 and 101.3.
+SPLIT_TIER = 4
 _M_STEPS = (*range(17), 20, 24, 28, 32, 45, 64, 90, 128)   # streamed FFN counts tried (one FFN moves a
 # decode step's balance between the CPU and the copy engine by several milliseconds: fine steps where it counts)
 # Attention over host-resident KV only for steps of at least this many tokens: each such layer's copies

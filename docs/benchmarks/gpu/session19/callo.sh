@@ -3,7 +3,7 @@
 # (Planner split_small, TorchEngine.split_plans; off by default). All tiers of a plan set share how many
 # layers keep their KV cache in VRAM and whether the head is resident; at 2 GiB the MoE shape's prompts want
 # every layer's KV there, which leaves the head (622 MB) on the CPU in every tier: 6 ms of each decode step
-# (call M's trace). Apart, the decode tiers keep 9 layers' KV and stream the head behind the layers' work:
+# (call M's trace). Apart (tiers of up to 4 tokens), the decode tiers keep 9 layers' KV and stream the head behind the layers' work:
 # 38.6 ms predicted against 43.1 (the KV and head moves at each switch priced). In one engine, runs taking
 # turns (decode_runs --split-variants off,on): the MoE decode at 2 GiB and Llama-3-8B at 8 GiB (72.6 against
 # 74.0 predicted), then the CUDA tests of plan switches and budgets with it on.
