@@ -33,7 +33,9 @@ are computed once per KV capacity (about a second for an 8B model); a plan is th
 fastest member under the budget, per tier (about a millisecond). All tiers of a PlanSet share k (the KV
 cache of the first k layers lives in VRAM, the others' in host memory, so no KV moves between tiers) and
 whether the head is resident: the pair whose plans minimise `score`, the predicted time of a reference workload (decode
-steps and one input per tier). Resident sets of the tiers are then nested (prefixes of one order, and
+steps and one input per tier). (With `split_small` the tiers up to SPLIT_TIER tokens choose their pair
+apart from the larger tiers', the KV and head moves at each switch priced; planning the MoE shape then
+takes about 20 ms instead of 4.) Resident sets of the tiers are then nested (prefixes of one order, and
 the same head), so switching tiers only adds or drops a tail; MoE routers are apart (a router may run on
 the host beside its layer's CPU experts in one tier and on the GPU in another: half a megabyte each).
 
