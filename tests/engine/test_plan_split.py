@@ -81,6 +81,7 @@ def test_an_engine_whose_decode_plan_keeps_less_kv_in_vram_gives_the_same_tokens
             plans.append(p)
         return PlanSet(ps.budget, plans, step_tokens=TIERS[-1])      # (prompts as one step on their tier's plan)
 
+    monkeypatch.setenv("SLIPSTREAM_PLAN_SPLIT", "0")         # (the large tiers as the shared choice plans them)
     path = tiny_model("llama3")
     ref = engine.open_model(path, device="cpu", backend="torch", speculative=False)
     want = [[e.token_id for e in ref.generate(p, max_new_tokens=8)] for p in ("a b c d e f g h i j k l m n o p q r s t",
@@ -112,7 +113,8 @@ def test_an_engine_whose_decode_plan_keeps_less_kv_in_vram_gives_the_same_tokens
     eng.close()
 
 
-def test_the_engine_switch_re_plans_and_reports(tiny_model):
+def test_the_engine_switch_re_plans_and_reports(tiny_model, monkeypatch):
+    monkeypatch.delenv("SLIPSTREAM_PLAN_SPLIT", raising=False)
     eng = engine.open_model(tiny_model("llama3"), device="sim", backend="torch", tiers=TIERS, profile=slow_cpu_profile())
     eng.set_vram_budget(third_of_weights(eng))
     assert eng.plan_report()["split_plans"] is False
