@@ -33,6 +33,7 @@ from engine.serve.gate import GateAbandoned, GenerationGate
 from engine.serve.runner import _batches  # an engine with `submit` batches (llama.cpp's has none)
 
 PROTOCOL_VERSION = 1
+STOP_JOIN_S = 5.0          # at shutdown, the longest wait for a thread that calls the engine to end
 _MODEL_SUFFIXES = (".safetensors", ".gguf", ".bin")
 
 
@@ -116,8 +117,11 @@ class Worker:
     def run(self, infile: IO[bytes]) -> int:
         """Serve requests from `infile` until `shutdown` or end of input; returns the exit status."""
         threading.Thread(target=self._read_loop, args=(infile,), name="worker-reader", daemon=True).start()
-        threading.Thread(target=self._budget_loop, name="worker-budget", daemon=True).start()
-        threading.Thread(target=self._metrics_loop, name="worker-metrics", daemon=True).start()
+        # (the threads that call the engine: joined before it closes, so none is inside it at exit)
+        users = [threading.Thread(target=self._budget_loop, name="worker-budget", daemon=True),
+                 threading.Thread(target=self._metrics_loop, name="worker-metrics", daemon=True)]
+        for t in users:
+            t.start()
         self.events.emit("ready", protocol=PROTOCOL_VERSION, pid=os.getpid(),
                          python=sys.version.split()[0])
         while True:
@@ -126,6 +130,8 @@ class Worker:
                 break
             self._run_job(job)
         self._stop.set()
+        for t in users:                  # (each ends within its poll interval once stopped)
+            t.join(timeout=STOP_JOIN_S)
         self._stop_api()
         self._close_engine()
         self.events.emit("bye")
