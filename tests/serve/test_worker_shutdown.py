@@ -10,6 +10,7 @@ import time
 
 import engine
 from engine.worker import Worker
+from tests.serve.events import EventSink
 
 
 class SlowBudget:
@@ -32,35 +33,9 @@ class SlowBudget:
         return getattr(self._engine, name)
 
 
-class Sink:
-    def __init__(self):
-        self.events, self._cond = [], threading.Condition()
-
-    def write(self, data: bytes) -> None:
-        import json
-
-        with self._cond:
-            self.events += [json.loads(line) for line in data.decode().splitlines() if line.strip()]
-            self._cond.notify_all()
-
-    def flush(self) -> None:
-        pass
-
-    def wait_for(self, type_: str, timeout: float = 60) -> dict:
-        end = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                for e in self.events:
-                    if e["type"] == type_:
-                        return e
-                left = end - time.monotonic()
-                assert left > 0, f"no {type_} event: {self.events[-5:]}"
-                self._cond.wait(left)
-
-
 def test_shutdown_waits_for_a_budget_change_in_progress(tiny_model):
     seen: list = []
-    sink = Sink()
+    sink = EventSink()
     worker = Worker(sink, opener=lambda source, **kw: SlowBudget(engine.open_model(source, **kw), seen),
                     metrics_interval_s=0.05)
     read, write = os.pipe()
