@@ -173,6 +173,9 @@ class TorchEngine(Engine):
         self.rate_probe: dict | None = None       # the rates the plans were moved to (_at_rates_now)
         # small-step tiers planned apart from the prompts' (Planner split_small; SLIPSTREAM_PLAN_SPLIT=1)
         self._split_plans = os.environ.get("SLIPSTREAM_PLAN_SPLIT", "0") == "1"
+        # a CPU share of the streamed dense FFNs' rows (Plan.ffn_cpu_rows): True = where the planner predicts
+        # it faster, False = never (SLIPSTREAM_FFN_SHARE=0), N = N rows in every plan (benchmarks' A/B runs)
+        self._ffn_share: bool | int = os.environ.get("SLIPSTREAM_FFN_SHARE", "1") != "0"
         self.planset = None
         self._pending_budget: int | None = None
         self._pending_reason = "set_vram_budget"
@@ -280,7 +283,8 @@ class TorchEngine(Engine):
             prof = self._profile
             if prof is None:
                 prof = self._at_rates_now(ProfileDatabase.for_device(self.device))
-            self._planner = Planner(self.spec, prof, tiers=self.tiers, split_small=self._split_plans)
+            self._planner = Planner(self.spec, prof, tiers=self.tiers, split_small=self._split_plans,
+                                    ffn_share=self._ffn_share is True)
         return self._planner
 
     def _at_rates_now(self, prof):
@@ -329,6 +333,12 @@ class TorchEngine(Engine):
             from engine.sharding.planner import best_step_tokens
 
             plans = [self.planner().moved_to_cpu(p, self._on_cpu) for p in planset.plans]
+            planset = PlanSet(planset.budget, plans, step_tokens=best_step_tokens(plans))
+        if self._ffn_share is not True and self._ffn_share is not False:
+            from engine.sharding.plan import PlanSet
+            from engine.sharding.planner import best_step_tokens
+
+            plans = [self.planner().with_ffn_rows(p, int(self._ffn_share)) for p in planset.plans]
             planset = PlanSet(planset.budget, plans, step_tokens=best_step_tokens(plans))
         return planset
 
@@ -490,6 +500,22 @@ class TorchEngine(Engine):
             self._split_plans, self._planner = bool(flag), None
             if self.planset is not None:
                 self._set_budget_now(self.budget, f"small-step tiers planned {'apart' if flag else 'with the rest'}")
+
+    def ffn_share(self, setting: bool | int) -> None:
+        """Whether the CPU may compute a share of the streamed dense FFNs' rows (`Plan.ffn_cpu_rows`): True
+        (the default) where the planner predicts it faster, False never, an int N that many rows in every
+        plan that streams a dense FFN, whatever the planner chose (benchmarks set the shares beside each
+        other in one engine; the tokens are the same). Re-plans at once."""
+        self._require_open()
+        if not isinstance(setting, bool) and int(setting) < 0:
+            raise BadInputError(f"ffn_share {setting!r}: expected True, False or a number of rows")
+        with self._lock:
+            self._ffn_share = setting if isinstance(setting, bool) else int(setting)
+            if self._planner is not None:
+                self._planner.ffn_share = self._ffn_share is True
+            self.executor.ffn_share = self._ffn_share is not False
+            if self.planset is not None:
+                self._set_budget_now(self.budget, f"ffn share {self._ffn_share}")
 
     def move_to_cpu(self, patterns: tuple[str, ...] | list[str] = ()) -> None:
         """From now on compute the sub-layers whose names match `patterns` ("layers.*.attn", "head") on the

@@ -97,6 +97,13 @@ def print_table(name: str, cfg, spec, planset: PlanSet, prof, kv_tokens: int, ou
           "K streamed over its KV in host memory):", file=out)
     for p in planset.plans:
         print(f"{p.tier:>5}  {placement_map(p)}", file=out)
+    shared = [p for p in planset.plans if p.ffn_cpu_rows]
+    if shared:
+        inter = cfg.intermediate_size
+        print("streamed FFNs with a CPU share (the last rows of gate and up computed on the CPU, the rest copied):",
+              file=out)
+        for p in shared:
+            print(f"  tier {p.tier}: {p.ffn_cpu_rows} of {inter} rows ({p.ffn_cpu_rows / inter:.0%})", file=out)
 
 
 def profile_from_file(path: str):

@@ -168,6 +168,19 @@ def ffn_block(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor) -> 
     return x + linear(F.silu(gate) * up, w["down.weight"])
 
 
+def ffn_hidden(cfg: ModelConfig, w: dict[str, torch.Tensor], x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """silu(gate h) * up h over the intermediate rows a..b of a SwiGLU FFN, h being x normed: [t, b - a],
+    rounded as `ffn_block` rounds (the rows of an FFN split between the CPU and the GPU)."""
+    h = rms_norm(x, w["ffn_norm.weight"], cfg.rms_norm_eps)
+    gu = w.get("gate_up.weight")
+    if gu is not None:
+        inter = gu.shape[0] // 2
+        gate, up = gu[a:b], gu[inter + a:inter + b]
+    else:
+        gate, up = w["gate.weight"][a:b], w["up.weight"][a:b]
+    return F.silu(linear(h, gate)) * linear(h, up)
+
+
 def embed_tokens(w: dict[str, torch.Tensor], ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The embedding rows of `ids`, in `dtype` (the compute dtype) where given."""
     x = F.embedding(ids, w["embed.weight"])

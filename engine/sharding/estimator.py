@@ -117,6 +117,11 @@ class StepCosts:
     # GPU milliseconds of each sub-layer where it is resident, if that differs from `gpu_ms` for any
     # (resident expert groups in steps of a few tokens: `OPS_ONE_CALL_GROUP`); None = as `gpu_ms`
     gpu_res_ms: np.ndarray | None = None
+    # A streamed dense FFN can leave the tail of its gate/up rows to the CPU (`Plan.ffn_cpu_rows`, a share
+    # of them): per sub-layer, the host milliseconds of all its gate/up rows on the CPU with the move of
+    # their output to the GPU (0 where no share applies), and the fraction of its copy those rows are
+    share_cpu_ms: np.ndarray | None = None
+    share_copy_frac: np.ndarray | None = None
 
 
 def dtype_name(spec: ModelSpec) -> str:
@@ -250,8 +255,36 @@ def step_costs(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int, ctx_len: i
     if res:
         gpu_res = ms["gpu"].copy()
         gpu_res[list(res)] = list(res.values())
+    share_ms, share_frac = share_costs(spec, prof, n)
     return StepCosts(ms["gpu"], ms["cpu"], to_gpu, to_cpu, prof.move_ms(rows * cfg.vocab_size * 4, False),
-                     prof.op_ms("gpu", 2), extra, *routed, kv_alone, kv_busy, gpu_res)
+                     prof.op_ms("gpu", 2), extra, *routed, kv_alone, kv_busy, gpu_res, share_ms, share_frac)
+
+
+# A streamed FFN's CPU share (`dense.ffn_hidden` on the host rows): the norm, the two row-sliced matmuls and
+# silu times up, as native calls and the ops around them; then the join on the GPU (the move, a cat).
+SHARE_NATIVE_CALLS = 4
+SHARE_CPU_OPS = 4
+
+
+def share_costs(spec: ModelSpec, prof: ProfileDatabase, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(host ms of all of each dense FFN's gate/up rows on the CPU in a step of `n` tokens, the
+    fraction of its packed bytes those rows are) per sub-layer; (None, None) for a model without dense FFNs."""
+    cfg, dt = spec.config, dtype_name(spec)
+    idx = [i for i, s in enumerate(spec.sublayers) if s.kind == "ffn"]
+    if not idx or not prof.has_gpu:
+        return None, None
+    sizes = sublayer_bytes(spec)
+    cpu_ms = np.zeros(len(spec.sublayers))
+    frac = np.zeros(len(spec.sublayers))
+    gu_bytes = 2 * cfg.intermediate_size * cfg.hidden_size * spec.dtype_bytes
+    for i in idx:
+        sub = spec.sublayers[i]
+        gu_flops = sub.flops_per_token * 2 / 3
+        cpu_ms[i] = (prof.gemm_ms("cpu", dt, "ffn", gu_flops, n) + prof.op_ms("cpu", SHARE_CPU_OPS)
+                     + SHARE_NATIVE_CALLS * prof.native_call_ms
+                     + prof.move_ms(n * cfg.intermediate_size * spec.dtype_bytes, True))
+        frac[i] = min(1.0, gu_bytes / sizes[sub.name])
+    return cpu_ms, frac
 
 
 def routed_copies(spec: ModelSpec, prof: ProfileDatabase, n_tokens: int):
@@ -330,12 +363,17 @@ class Estimator:
             return np.zeros(len(place))
         return self.partial_moe_layers(place) * PARTIAL_MOE_LAYER_MS
 
-    def simulate(self, place: np.ndarray, n_tokens: int, ctx_len: int, n_slots: int) -> np.ndarray:
-        """Milliseconds per steady-state step of every row of `place` ([B, S] codes)."""
-        return (self.pipeline(place, n_slots).run(self.costs(n_tokens, ctx_len), self.rho)
+    def simulate(self, place: np.ndarray, n_tokens: int, ctx_len: int, n_slots: int,
+                 share: float = 0.0) -> np.ndarray:
+        """Milliseconds per steady-state step of every row of `place` ([B, S] codes); `share`: the fraction
+        of each streamed dense FFN's gate/up rows computed on the CPU."""
+        return (self.pipeline(place, n_slots).run(self.costs(n_tokens, ctx_len), self.rho, share)
                 + self.mixed_layer_ms(place, n_tokens))
 
     def estimate(self, placement: dict[str, Placement], n_tokens: int, ctx_len: int,
-                 n_slots: int = 2, kv_layers: int | None = None) -> float:
-        """Predicted milliseconds of one steady-state step of `n_tokens` new tokens over `ctx_len` context."""
-        return float(self.simulate(self.encode(placement, kv_layers)[None, :], n_tokens, ctx_len, n_slots)[0])
+                 n_slots: int = 2, kv_layers: int | None = None, ffn_cpu_rows: int = 0) -> float:
+        """Predicted milliseconds of one steady-state step of `n_tokens` new tokens over `ctx_len` context
+        (`ffn_cpu_rows`: of each streamed dense FFN's intermediate rows, those computed on the CPU)."""
+        share = ffn_cpu_rows / self.spec.config.intermediate_size if ffn_cpu_rows else 0.0
+        return float(self.simulate(self.encode(placement, kv_layers)[None, :], n_tokens, ctx_len, n_slots,
+                                   share)[0])

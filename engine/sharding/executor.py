@@ -164,6 +164,12 @@ class Executor:
         self._routing: dict[int, list[int]] = {}    # layer -> its router's expert bounds, this step
         self._pending: list[tuple[int, str]] = []   # (slot, sub-layer) loads not issued yet, in order
         self.slot_valid: list = []                  # per slot: True (all of it), or the set of experts held
+        # per slot: of a dense FFN's gate and up rows, how many at the end its copy left out (the CPU's share,
+        # `Plan.ffn_cpu_rows`); a slot valid for a share holds every row a larger share needs
+        self.slot_skip: list[int] = []
+        self._dense_ffn = {f"layers.{i}.ffn" for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)}
+        # a streamed dense FFN's rows split with the CPU (the plan's ffn_cpu_rows; 0: A/B runs, whole FFNs)
+        self.ffn_share = os.environ.get("SLIPSTREAM_FFN_SHARE", "1") != "0"
         self._spans: dict[str, dict[int, tuple[int, int]]] = {}   # group -> expert -> its byte range
 
     # ---- memory state --------------------------------------------------------------------------
@@ -206,6 +212,7 @@ class Executor:
             self.slot_ready = [None] * n_slots
             self.slot_free_after = [None] * n_slots
             self.slot_valid = [set() for _ in range(n_slots)]
+            self.slot_skip = [0] * n_slots
         store.set_resident(resident)
         scratch = plan.vram.scratch
         accel.book(scratch, "scratch", f"scratch for {plan.tier}-token steps")
@@ -217,7 +224,7 @@ class Executor:
             if h is not None:
                 h.wait_host()
         self.slot_content, self.slot_ready, self.slot_free_after = [], [], []
-        self.slot_valid, self._pending = [], []
+        self.slot_valid, self.slot_skip, self._pending = [], [], []
 
     def release_to_driver(self) -> None:
         if self.graphs is not None:
@@ -234,6 +241,7 @@ class Executor:
         if self.slot_content[slot] != name:
             self.slot_content[slot] = name
             self.slot_valid[slot] = set()
+            self.slot_skip[slot] = 0
         self._pending.append((slot, name))
         self._pump()
 
@@ -263,12 +271,13 @@ class Executor:
     def _issue(self, slot: int, name: str, experts: list[int] | None) -> None:
         """Copy `name` (or only `experts` of it) into `slot`, skipping what the slot already holds."""
         valid = self.slot_valid[slot]
-        if valid is True:
+        skip = self.ffn_skip(name)
+        if valid is True and self.slot_skip[slot] <= skip:
             return
         sw = self.store.sublayers[name]
         buf = self.store.slots[slot]
         if experts is None:
-            runs = [(0, sw.nbytes)]
+            runs = self._share_runs(name, skip) if skip else [(0, sw.nbytes)]
         else:
             runs = self._expert_runs(name, [e for e in experts if e not in valid])
         for a, b in runs:
@@ -276,9 +285,49 @@ class Executor:
             self.copied_bytes += b - a
         if experts is None:
             self.slot_valid[slot] = True
+            self.slot_skip[slot] = skip
         else:
             valid.update(experts)
             self.routed_loads += 1
+
+    def ffn_skip(self, name: str) -> int:
+        """How many of dense FFN `name`'s last intermediate rows the CPU computes under the plan (its CPU share;
+        0 unless it streams)."""
+        rows = self.plan.ffn_cpu_rows if self.plan is not None and self.ffn_share else 0
+        if not rows or name not in self._dense_ffn or self.plan.placement[name] is not Placement.STREAMED:
+            return 0
+        return rows
+
+    def _share_runs(self, name: str, skip: int) -> list[tuple[int, int]]:
+        """Byte ranges of dense FFN `name`'s packed buffer its slot needs when the CPU computes the last
+        `skip` intermediate rows: all but those rows of gate and up (neighbours merged)."""
+        out: list[tuple[int, int]] = []
+        for t in self.store.sublayers[name].layout:
+            end = -(-(t.offset + t.nbytes) // ALIGN) * ALIGN
+            if t.local in ("gate.weight", "up.weight"):
+                end = t.offset + (t.shape[0] - min(skip, t.shape[0])) * (t.nbytes // t.shape[0])
+            if end <= t.offset:
+                continue
+            if out and out[-1][1] == t.offset:
+                out[-1] = (out[-1][0], end)
+            else:
+                out.append((t.offset, end))
+        return out
+
+    def _ffn_shared(self, name: str, w, x: torch.Tensor, x_in: torch.Tensor, skip: int) -> torch.Tensor:
+        """Streamed dense FFN `name` with its last `skip` intermediate rows on the CPU: the GPU's part (from the
+        slot, which holds the other rows of gate and up) is queued first, then the host computes its rows from
+        the host copy (`x_in`, the hidden state before it crossed) while the copy engine and the GPU work;
+        their output crosses over and the down projection over all the rows runs on the GPU. Rounded as
+        `dense.ffn_block` rounds."""
+        cfg = self.cfg
+        inter = w["down.weight"].shape[1]
+        keep = inter - skip
+        mine = dense.ffn_hidden(cfg, w, x, 0, keep) if keep else None
+        host = x_in if x_in.device.type == "cpu" else self._move(x_in, False)
+        theirs = self._move(dense.ffn_hidden(cfg, self.store.sublayers[name].host_views, host, keep, inter), True)
+        act = theirs if mine is None else torch.cat([mine, theirs], -1)
+        return x + dense.linear(act, w["down.weight"])
 
     def _expert_runs(self, name: str, experts: list[int]) -> list[tuple[int, int]]:
         """Byte ranges of group `name`'s packed buffer holding `experts` (global ids), neighbours merged."""
@@ -418,6 +467,7 @@ class Executor:
                 if streamed:
                     self._prime([s for s in streamed if self.order.index(s) >= here])
             on_gpu = self.plan.placement[name] is not Placement.CPU
+            x_in = x
             x = self._move(x, on_gpu)
             w = self._weights(name)
             dev = x.device
@@ -438,7 +488,9 @@ class Executor:
                 layer = int(name.split(".")[1])
                 x = self._attention(layer, w, x, segs, decode, cos_sin[dev], dev)
             elif name not in self.moe_steps:
-                if self.graphs is not None and self.graphs.applies(x):
+                if skip := self.ffn_skip(name):
+                    x = self._ffn_shared(name, w, x, x_in, skip)
+                elif self.graphs is not None and self.graphs.applies(x):
                     x = self.graphs.run("ffn", lambda w_, x_: dense.ffn_block(cfg, w_, x_), w, x).clone()
                 else:
                     x = dense.ffn_block(cfg, w, x)

@@ -19,7 +19,12 @@ The model:
 - in steps with routed expert streaming (`StepCosts.copy_gate`), the copy of a streamed expert group
   cannot start before its layer's router has computed in the same step (the executor learns which
   experts to copy from it), and costs only the routed experts' bytes (`StepCosts.copy_alone_ms` /
-  `copy_busy_ms`); such a copy holds back the copies queued behind it, as the executor's queue does.
+  `copy_busy_ms`); such a copy holds back the copies queued behind it, as the executor's queue does;
+- with a share (`run(..., share)`), a streamed dense FFN copies only the head of its gate/up rows
+  (`StepCosts.share_copy_frac` of its bytes times the share come off its copy) and the host computes the
+  tail (`StepCosts.share_cpu_ms` times the share, at the CPU-while-copying rate where copies are in
+  flight) from the hidden state on the host, as soon as that is there; the GPU part starts when both the
+  slot's copy and the host's rows are in.
 """
 
 from __future__ import annotations
@@ -72,14 +77,20 @@ class Pipeline:
         """Flat [smax, B] copy time of each row's streamed sub-layers in order."""
         return np.where(self.mixed[None, :], copy_busy[self.sidx], copy_alone[self.sidx]).reshape(-1)
 
-    def run(self, costs: StepCosts, rho: float) -> np.ndarray:
-        """Steady-state milliseconds per step of each row under one set of step costs."""
+    def run(self, costs: StepCosts, rho: float, share: float | np.ndarray = 0.0) -> np.ndarray:
+        """Steady-state milliseconds per step of each row under one set of step costs; `share` (one for
+        all rows, or [B]): the fraction of each streamed dense FFN's gate/up rows computed on the host."""
         S, B, n_slots, smax = self.S, self.B, self.n_slots, self.smax
         on_gpu, n_str, ordn, ctab, cycles = self.on_gpu, self.n_str, self.ordn, self.ctab, self.cycles
         if costs.copy_alone_ms is not None:
             ctab = self._ctab(costs.copy_alone_ms, costs.copy_busy_ms)
         if costs.kv_copy_alone_ms is not None and self.hkv.any():
             ctab = ctab + np.where(self.hkv.reshape(-1), self._ctab(costs.kv_copy_alone_ms, costs.kv_copy_busy_ms), 0.0)
+        pre_ms = None
+        share = np.broadcast_to(np.asarray(share, dtype=float), (B,))
+        if costs.share_cpu_ms is not None and (share > 0).any():
+            ctab = ctab * (1.0 - share[None, :] * costs.share_copy_frac[self.sidx]).reshape(-1)
+            pre_ms = costs.share_cpu_ms
         gres = costs.gpu_res_ms
         gate = costs.copy_gate
         if gate is not None:
@@ -139,6 +150,13 @@ class Pipeline:
                 if len(rows):
                     gord = step * n_str[rows] + ordn[i, rows]
                     q = np.where(cycles[rows], gord, ordn[i, rows])
+                    if pre_ms is not None and pre_ms[i] > 0:
+                        # the host's rows, from the hidden state on the host (brought back if it was not)
+                        host = t[rows] + (prev_gpu[rows] & (share[rows] > 0)) * to_cpu[i]
+                        w = pre_ms[i] * share[rows]
+                        busy = np.maximum(last[rows] - host, 0.0)
+                        ready[rows] = np.maximum(ready[rows], host + (np.minimum(w / rho, w + w_busy * busy)
+                                                                      if rho < 1 else w))
                     ready[rows] = np.maximum(ready[rows], cend[q * B + rows])
                 d_gpu = costs.gpu_ms[i]
                 if gres is not None and gres[i] != d_gpu:

@@ -52,6 +52,11 @@ class Plan:
     # a later layer placed on the GPU (streamed) copies its layer's KV in for the step and its new keys
     # and values back out. None: each layer's KV lives where its attention runs.
     kv_layers: int | None = None
+    # Of each streamed dense FFN's intermediate rows, how many (the last ones) the CPU computes from the
+    # host copy while the GPU computes the rest from its slot, which receives only those rows of gate and
+    # up (with the whole down projection): the copy shrinks by their bytes and the CPU takes them in each
+    # layer, where a whole FFN moved to the CPU would unbalance the steps around it. 0: none.
+    ffn_cpu_rows: int = 0
 
     def kv_on_gpu(self, layer: int) -> bool:
         """Whether layer `layer`'s KV cache lives in VRAM under this plan."""
@@ -78,6 +83,8 @@ class Plan:
                "n_slots": self.n_slots}
         if self.kv_layers is not None:
             rep["kv_layers"] = self.kv_layers
+        if self.ffn_cpu_rows:
+            rep["ffn_cpu_rows"] = self.ffn_cpu_rows
         return rep
 
 

@@ -72,6 +72,12 @@ _M_STEPS = (*range(17), 20, 24, 28, 32, 45, 64, 90, 128)   # streamed FFN counts
 # and gathers cost the host thread (which also runs the CPU sub-layers) about a millisecond that the
 # estimator does not price, which a decode step cannot afford (H200, 4 GiB: 121 ms predicted, 208 run)
 HKV_MIN_TIER = 16
+# A CPU share of the streamed dense FFNs' rows (`Plan.ffn_cpu_rows`): the shares tried (j / SHARE_STEPS of the
+# rows, j = 1..SHARE_STEPS, in multiples of SHARE_ROW_ALIGN rows), taken where predicted faster by more than
+# SHARE_MIN_GAIN (the estimator's noise between near-equal schedules must not flip plans)
+SHARE_STEPS = 16
+SHARE_ROW_ALIGN = 16
+SHARE_MIN_GAIN = 0.01
 _UNIT_LADDER = 0.15     # MoE: relative step of the resident prefix lengths tried
 _M_STEPS_MOE = (0, 1, 2, 4, 8, 16, 32, 64, 128)   # streamed unit counts tried for MoE models
 _PIPELINE_CELLS = 1 << 22   # members x sub-layers replayed at once (~50 bytes of working memory each)
@@ -156,6 +162,7 @@ class Family:
         n_cpu = ((self.place == CPU) & compute).sum(1)
         streams = (self.place == STR) | (self.place == HKV)
         self.n_str = n_str = streams.sum(1)
+        self.n_ffn_str = (streams & np.array([s.kind == "ffn" for s in subs])[None, :]).sum(1)
         self.hkv = (self.place == HKV).any(1)
         self.masks = {"auto": ~embed_res, "gpu_only": embed_res, "static": ~embed_res & (n_str == 0),
                       "dynamic": ~embed_res & (n_str > 0) & (n_cpu > 0)}
@@ -264,22 +271,26 @@ class Planner:
     """Plans for one model on one profile: `plan(budget)` -> PlanSet; `estimate(plan, n, ctx)` -> ms."""
 
     def __init__(self, spec: ModelSpec, prof: ProfileDatabase, tiers: tuple[int, ...] = DEFAULT_TIERS,
-                 n_slots: int = 2, head_rows: int | None = 1, split_small: bool = False):
+                 n_slots: int = 2, head_rows: int | None = 1, split_small: bool = False,
+                 ffn_share: bool = True):
         if not tiers or any(int(t) < 1 for t in tiers):
             raise BadInputError(f"tiers={tiers!r}: expected positive token counts")
         self.spec, self.prof = spec, prof
         self.split_small = split_small
+        self.ffn_share = ffn_share        # plans may give the CPU a share of the streamed FFNs' rows
         self.tiers = tuple(sorted({int(t) for t in tiers}))
         self.n_slots = max(1, int(n_slots))
         self.estimator = Estimator(spec, prof, head_rows)
         self.family = Family(spec, self.n_slots) if prof.has_gpu else None
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._fronts: dict[tuple[int, str, int, int], _Front] = {}
+        self._shared: dict[tuple[int, int], dict[int, tuple[float, int]]] = {}   # (KV, tier) -> member -> share
 
     # ---- the estimator -------------------------------------------------------------------------
     def estimate(self, plan: Plan, n_tokens: int, ctx_len: int) -> float:
         """Predicted milliseconds of one steady-state step of `n_tokens` over `ctx_len` under `plan`."""
-        return self.estimator.estimate(plan.placement, n_tokens, ctx_len, plan.n_slots, plan.kv_layers)
+        return self.estimator.estimate(plan.placement, n_tokens, ctx_len, plan.n_slots, plan.kv_layers,
+                                       plan.ffn_cpu_rows)
 
     # ---- member tables -------------------------------------------------------------------------
     def _table(self, kv_tokens: int, pause: Callable[[], None] | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -380,13 +391,15 @@ class Planner:
                         score([(t, ms) for t, (_, ms) in zip(self.tiers, picks)])
                         + self._split_cost(g_small, g_large, kv_tokens))
                 if best is None or cand < best[0]:
-                    best = (cand, picks)
+                    best = (cand, picks, g_small, g_large)
         if strict and kind != "auto" and -best[0][0] < len(self.tiers):
             need = format_bytes(self.min_budget(kind, kv_tokens))
             raise BudgetError(f"no {kind} plan fits a VRAM budget of {format_bytes(budget)} for every tier "
                               f"(the {kind} plans need at least {need})")
-        plans = [self._make_plan(m, ms, tier, kind, kv_tokens, b)
-                 for (m, ms), tier, b in zip(best[1], self.tiers, budgets)]
+        groups = [g_of for g_of in ((best[2] if ti in small else best[3]) for ti in range(len(self.tiers)))]
+        plans = [self._make_plan(*(self._with_share(kv_tokens, ti, groups[ti], b, m, ms) if kind == "auto"
+                                   else (m, ms, 0)), tier, kind, kv_tokens, b)
+                 for ti, ((m, ms), tier, b) in enumerate(zip(best[1], self.tiers, budgets))]
         return PlanSet(budget, plans, step_tokens=best_step_tokens(plans))
 
     def _split_cost(self, g_small: int | None, g_large: int, kv_tokens: int) -> float:
@@ -416,16 +429,58 @@ class Planner:
                 need = v if need is None else min(need, v)
         return need if need is not None else -1
 
-    def _make_plan(self, member: int, ms: float, tier: int, kind: str, kv_tokens: int, budget: int) -> Plan:
+    def _with_share(self, kv_tokens: int, ti: int, group: int, budget: int, member: int,
+                    ms: float) -> tuple[int, float, int]:
+        """(member, ms, ffn_cpu_rows): the plan for tier `ti` with a CPU share of the streamed dense FFNs'
+        rows (`Plan.ffn_cpu_rows`) where one is predicted faster than `member` without, by more than
+        SHARE_MIN_GAIN. The members tried are those of the same group (k and the head's residency, which
+        the other tiers share) within the budget, the fastest of each streamed count (a share is worth most
+        where more FFNs stream than the CPU/PCIe balance of whole FFNs would stream), at SHARE_STEPS shares
+        each: one replay of a few hundred rows."""
+        fam, est, cfg = self.family, self.estimator, self.spec.config
+        if not self.ffn_share or not any(s.kind == "ffn" for s in self.spec.sublayers):
+            return member, ms, 0
+        vram, table = self._table(kv_tokens)
+        tier = self.tiers[ti]
+        sel = fam.masks["auto"] & (fam.group == group) & (vram[:, ti] <= budget) & (fam.n_ffn_str > 0)
+        if tier < HKV_MIN_TIER:
+            sel &= ~fam.hkv
+        cand = np.nonzero(sel)[0]
+        if not len(cand):
+            return member, ms, 0
+        cand = cand[np.lexsort((table[cand, ti], fam.n_ffn_str[cand]))]
+        cand = cand[np.r_[True, fam.n_ffn_str[cand][1:] != fam.n_ffn_str[cand][:-1]]]
+        known = self._shared.setdefault((kv_tokens, ti), {})
+        new = [int(c) for c in cand if int(c) not in known]
+        if new:       # (a member's best share does not depend on the budget: priced once per KV capacity)
+            inter = cfg.intermediate_size
+            rows = sorted({min(inter, max(SHARE_ROW_ALIGN, round(inter * j / SHARE_STEPS / SHARE_ROW_ALIGN)
+                                          * SHARE_ROW_ALIGN)) for j in range(1, SHARE_STEPS + 1)})
+            share = np.tile(np.array(rows) / inter, len(new))
+            ctx = planning_context(tier, kv_tokens)
+            got = est.pipeline(np.repeat(fam.place[new], len(rows), 0), self.n_slots).run(
+                est.costs(tier, ctx), est.rho, share).reshape(len(new), len(rows))
+            for c, r in zip(new, got):
+                j = int(np.argmin(r))
+                known[c] = (float(r[j]), rows[j])
+        best_ms, best_member = min((known[int(c)][0], int(c)) for c in cand)
+        if not best_ms < ms * (1 - SHARE_MIN_GAIN):
+            return member, ms, 0
+        return best_member, best_ms, known[best_member][1]
+
+    def _make_plan(self, member: int, ms: float, ffn_cpu_rows: int, tier: int, kind: str, kv_tokens: int,
+                   budget: int) -> Plan:
         row = self.family.place[member]
         placement = {s.name: _PLACEMENT[int(c)] for s, c in zip(self.spec.sublayers, row)}
         label = str(self.family.label[member])
         if kind != "auto" and self.family.masks[kind][member]:
             label = kind
+        if ffn_cpu_rows:
+            label = "dynamic"            # (the CPU computes a share of the streamed FFNs)
         kv_layers = int(self.family.k[member])
         vram = vram_breakdown(self.spec, placement, tier, kv_tokens, self.n_slots, kv_layers)
         assert vram.total <= budget, (vram.total, budget)
-        return Plan(tier, label, placement, self.n_slots, ms, vram, kv_tokens, kv_layers)
+        return Plan(tier, label, placement, self.n_slots, ms, vram, kv_tokens, kv_layers, ffn_cpu_rows)
 
     def moved_to_cpu(self, plan: Plan, patterns: tuple[str, ...]) -> Plan:
         """`plan` with the sub-layers whose names match any of `patterns` (shell-style: "layers.*.attn")
@@ -444,6 +499,19 @@ class Planner:
         moved = Plan(plan.tier, "manual", placement, plan.n_slots, float("nan"), vram, plan.kv_tokens, kv_layers)
         moved.predicted_ms = self.estimate(moved, plan.tier, planning_context(plan.tier, plan.kv_tokens))
         return moved
+
+    def with_ffn_rows(self, plan: Plan, rows: int) -> Plan:
+        """`plan` with `rows` of each streamed dense FFN's intermediate rows on the CPU (at most all of them),
+        priced by the same estimator: a share the planner did not choose, for benchmarks that set it beside
+        the chosen one. The VRAM is the same (slots keep a whole FFN's size)."""
+        rows = min(max(int(rows), 0), self.spec.config.intermediate_size)
+        if not any(plan.placement.get(s.name) is Placement.STREAMED for s in self.spec.sublayers if s.kind == "ffn"):
+            rows = 0
+        out = Plan(plan.tier, plan.kind if rows == plan.ffn_cpu_rows else "manual", dict(plan.placement),
+                   plan.n_slots, plan.predicted_ms, plan.vram, plan.kv_tokens, plan.kv_layers, rows)
+        if rows != plan.ffn_cpu_rows:
+            out.predicted_ms = self.estimate(out, plan.tier, planning_context(plan.tier, plan.kv_tokens))
+        return out
 
     def _all_cpu(self, budget: int, kv_tokens: int, kind: str, strict: bool) -> PlanSet:
         if strict and kind not in ("auto", "static"):

@@ -1,0 +1,29 @@
+"""engine.bench.share_ab, a dry run on the sim device."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def test_share_ab_takes_turns_and_reports_medians(tmp_path):
+    from engine.bench import share_ab
+
+    assert share_ab.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--variants", "on,off,48",
+                          "--rounds", "2", "--parts", "prefill,decode", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "share_ab.json").read_text())
+    assert [r["variant"] for r in report["rounds"]] == ["true", "false", 48] * 2
+    for r in report["rounds"]:
+        assert r["prefill512_tps"] > 0 and r["decode_tps"] > 0 and "batch4_tps" not in r
+        assert set(r["shares"]) and all(v in (0, 48) for v in r["shares"].values())
+    assert [m["variant"] for m in report["medians"]] == ["true", "false", 48]
+    assert "command" in report and "machine" in report
+
+
+@pytest.mark.parametrize("bad", [["--variants", "maybe"], ["--variants", "-3"], ["--parts", "train"]])
+def test_share_ab_refuses_bad_arguments(bad):
+    from engine.bench import share_ab
+
+    with pytest.raises(SystemExit):
+        share_ab.main(["--device", "sim", *bad])
