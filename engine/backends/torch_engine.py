@@ -174,8 +174,9 @@ class TorchEngine(Engine):
         # small-step tiers planned apart from the prompts' (Planner split_small; SLIPSTREAM_PLAN_SPLIT=1)
         self._split_plans = os.environ.get("SLIPSTREAM_PLAN_SPLIT", "0") == "1"
         # a CPU share of the streamed dense FFNs' rows (Plan.ffn_cpu_rows): True = where the planner predicts
-        # it faster, False = never (SLIPSTREAM_FFN_SHARE=0), N = N rows in every plan (benchmarks' A/B runs)
-        self._ffn_share: bool | int = os.environ.get("SLIPSTREAM_FFN_SHARE", "1") != "0"
+        # it faster (SLIPSTREAM_FFN_SHARE=1), False = never (the default: measured slower on the H200, see
+        # planner.SHARE_STEPS), N = N rows in every plan (benchmarks' A/B runs)
+        self._ffn_share: bool | int = os.environ.get("SLIPSTREAM_FFN_SHARE", "0") == "1"
         self.planset = None
         self._pending_budget: int | None = None
         self._pending_reason = "set_vram_budget"
@@ -503,7 +504,7 @@ class TorchEngine(Engine):
 
     def ffn_share(self, setting: bool | int) -> None:
         """Whether the CPU may compute a share of the streamed dense FFNs' rows (`Plan.ffn_cpu_rows`): True
-        (the default) where the planner predicts it faster, False never, an int N that many rows in every
+        where the planner predicts it faster, False (the default) never, an int N that many rows in every
         plan that streams a dense FFN, whatever the planner chose (benchmarks set the shares beside each
         other in one engine; the tokens are the same). Re-plans at once."""
         self._require_open()

@@ -41,7 +41,7 @@ def plan_shares(eng) -> dict[int, int]:
     return {p.tier: p.ffn_cpu_rows for p in eng.planset.plans}
 
 
-def measure(eng, parts: tuple[str, ...], r: int, salt: str) -> dict:
+def measure(eng, parts: tuple[str, ...], r: int, salt: str, host_times: bool = False) -> dict:
     from engine.bench.batch_throughput import run_streams
     from engine.bench.scenarios import PROMPTS
     from engine.bench.slipstream_runs import BATCH_NEW_TOKENS, DECODE_PROMPT, decode_tps, prefill_tps
@@ -52,13 +52,48 @@ def measure(eng, parts: tuple[str, ...], r: int, salt: str) -> dict:
             out[f"prefill{n}_tps"] = prefill_tps(eng, n, 100 + r, salt)
     if "decode" in parts:
         detail: list[dict] = []
+        ex = eng.executor
+        ex.sublayer_times = {} if host_times else None
         out["decode_tps"] = decode_tps(eng, 200 + r, salt=salt, detail=detail)
         out["decode_median_ms"] = detail[0]["median_ms"]
+        if host_times:     # per placement/kind: count and mean host ms (the prompt's step included)
+            out["host_ms"] = {k: [n, round(sec / max(n, 1) * 1e3, 3)] for k, (n, sec) in sorted(ex.sublayer_times.items())}
+        ex.sublayer_times = None
     if "batch" in parts and hasattr(eng, "submit"):
         for b in (4, 16):
             res = run_streams(eng, b, DECODE_PROMPT, BATCH_NEW_TOKENS, seed=zlib.crc32(f"{salt}:{r}:{b}".encode()) & 0xFFFF)
             out[f"batch{b}_tps"] = res["decode_aggregate_tokens_per_s"]
     return out
+
+
+def time_cpu_part(eng, rows: int, reps: int = 20) -> dict:
+    """The host's share of one dense FFN alone: `dense.ffn_hidden` over its last `rows` rows of gate and up,
+    for one token, from the host copy (ms per call and the weight bytes' rate)."""
+    import time
+
+    import torch
+
+    from engine.models import dense
+
+    cfg = eng.config
+    name = next(f"layers.{i}.ffn" for i in range(cfg.num_layers) if f"layers.{i}.ffn" in eng.executor._dense_ffn)
+    w = eng.executor.store.sublayers[name].host_views
+    inter = cfg.intermediate_size
+    rows = min(rows, inter)
+    x = torch.randn(1, cfg.hidden_size, dtype=w["down.weight"].dtype)
+    for _ in range(3):
+        dense.ffn_hidden(cfg, w, x, inter - rows, inter)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dense.ffn_hidden(cfg, w, x, inter - rows, inter)
+    ms = (time.perf_counter() - t0) / reps * 1e3
+    nbytes = 2 * rows * cfg.hidden_size * w["down.weight"].element_size()
+    gu = w.get("gate_up.weight")
+    gate = gu[inter - rows:inter] if gu is not None else w["gate.weight"][inter - rows:]
+    from engine import kernels
+
+    return {"rows": rows, "ms": round(ms, 3), "gbps": round(nbytes / ms / 1e6, 1),
+            "native": kernels.usable(x, gate), "threads": torch.get_num_threads()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +105,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: on, off, or a number of rows (TorchEngine.ffn_share)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    ap.add_argument("--host-times", action="store_true",
+                    help="the decode runs with the executor's sub-layer timer on (host ms per placement/kind)")
+    ap.add_argument("--cpu-part-rows", default="",
+                    help="comma-separated row counts: before the rounds, time the host's share of one FFN "
+                         "alone (dense.ffn_hidden over the last rows of gate and up, one token)")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
     try:
@@ -90,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     salt = f"s{budget}"
     for n in PROMPTS:                                   # the suite's warm-up
         prefill_tps(eng, n, 25, salt)
+    cpu_part = [time_cpu_part(eng, int(k)) for k in args.cpu_part_rows.split(",") if k]
+    for c in cpu_part:
+        print(f"host share alone: {c}", flush=True)
     rounds = []
     for r in range(args.rounds):
         for v in variants:
@@ -97,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
             prefill_tps(eng, 16, 400 + r, salt)         # (the switch's weight moves out of the timed work)
             # (each variant its own prompts: the prefix cache must not serve one variant's prompt to the next)
             row = {"round": r, "variant": str(v).lower() if isinstance(v, bool) else v,
-                   "shares": plan_shares(eng), **measure(eng, parts, r, f"{salt}:{v}")}
+                   "shares": plan_shares(eng), **measure(eng, parts, r, f"{salt}:{v}", args.host_times)}
             rounds.append(row)
             print(row, flush=True)
     eng.close()
 
-    keys = [k for k in rounds[0] if k.endswith("_tps") or k.endswith("_ms")]
+    keys = [k for k in rounds[0] if k.endswith(("_tps", "_ms")) and isinstance(rounds[0][k], int | float)]
     table = []
     for v in variants:
         name = str(v).lower() if isinstance(v, bool) else v
@@ -118,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {t['variant']} | " + " | ".join(str(t.get(k, "-")) for k in keys) + f" | {shares} |")
     write_report(args.out, "share_ab", {"shape": args.shape, "budget": args.budget, "device": args.device,
                                               "variants": [str(v) for v in variants], "parts": list(parts),
-                                              "rounds": rounds, "medians": table},
+                                              "rounds": rounds, "medians": table, "cpu_part": cpu_part},
                  "python -m engine.bench.share_ab " + " ".join(sys.argv[1:] if argv is None else argv))
     return 0
 

@@ -280,6 +280,16 @@ class Accelerator:
         try:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         except torch.OutOfMemoryError:
+            if self.kind == "cuda":
+                # The booking fits the budget, so what stands in the way is the caching allocator's free
+                # blocks, which count against its cap (session 20, call P: a re-plan at the same budget whose
+                # new slot was larger than any cached block, 242 MiB reserved and unused): give them back
+                # to the driver and try once more.
+                self.release_to_driver()
+                try:
+                    return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                except torch.OutOfMemoryError:
+                    pass
             self.unbook(nbytes, tag)
             raise
 

@@ -168,8 +168,8 @@ class Executor:
         # `Plan.ffn_cpu_rows`); a slot valid for a share holds every row a larger share needs
         self.slot_skip: list[int] = []
         self._dense_ffn = {f"layers.{i}.ffn" for i in range(cfg.num_layers) if not cfg.is_moe_layer(i)}
-        # a streamed dense FFN's rows split with the CPU (the plan's ffn_cpu_rows; 0: A/B runs, whole FFNs)
-        self.ffn_share = os.environ.get("SLIPSTREAM_FFN_SHARE", "1") != "0"
+        # a streamed dense FFN's rows split with the CPU as the plan says (its ffn_cpu_rows); False: whole FFNs
+        self.ffn_share = True
         self._spans: dict[str, dict[int, tuple[int, int]]] = {}   # group -> expert -> its byte range
 
     # ---- memory state --------------------------------------------------------------------------

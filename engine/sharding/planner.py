@@ -72,9 +72,13 @@ _M_STEPS = (*range(17), 20, 24, 28, 32, 45, 64, 90, 128)   # streamed FFN counts
 # and gathers cost the host thread (which also runs the CPU sub-layers) about a millisecond that the
 # estimator does not price, which a decode step cannot afford (H200, 4 GiB: 121 ms predicted, 208 run)
 HKV_MIN_TIER = 16
-# A CPU share of the streamed dense FFNs' rows (`Plan.ffn_cpu_rows`): the shares tried (j / SHARE_STEPS of the
-# rows, j = 1..SHARE_STEPS, in multiples of SHARE_ROW_ALIGN rows), taken where predicted faster by more than
-# SHARE_MIN_GAIN (the estimator's noise between near-equal schedules must not flip plans)
+# A CPU share of the streamed dense FFNs' rows (`Plan.ffn_cpu_rows`, with `Planner(ffn_share=True)`): the
+# shares tried (j / SHARE_STEPS of the rows, j = 1..SHARE_STEPS, in multiples of SHARE_ROW_ALIGN rows), taken
+# where predicted faster by more than SHARE_MIN_GAIN (the estimator's noise between near-equal schedules must
+# not flip plans). The estimator prices the host's rows far below what they cost on the H200 host (session 20,
+# call Q, Llama-3-8B at 4 GiB): 1792 rows of one FFN took 0.67 ms alone (44 GB/s) and added 1.6-2.4 ms of
+# host time to each streamed FFN in decode, priced at about 0.4; a 512-token prompt whose tier-1024 plan gave
+# the CPU 896 rows ran at 880-1170 tokens/s against 1740-2040 without, predicted 3% faster.
 SHARE_STEPS = 16
 SHARE_ROW_ALIGN = 16
 SHARE_MIN_GAIN = 0.01
@@ -272,12 +276,15 @@ class Planner:
 
     def __init__(self, spec: ModelSpec, prof: ProfileDatabase, tiers: tuple[int, ...] = DEFAULT_TIERS,
                  n_slots: int = 2, head_rows: int | None = 1, split_small: bool = False,
-                 ffn_share: bool = True):
+                 ffn_share: bool = False):
         if not tiers or any(int(t) < 1 for t in tiers):
             raise BadInputError(f"tiers={tiers!r}: expected positive token counts")
         self.spec, self.prof = spec, prof
         self.split_small = split_small
-        self.ffn_share = ffn_share        # plans may give the CPU a share of the streamed FFNs' rows
+        # plans may give the CPU a share of the streamed dense FFNs' rows (`_with_share`). Off by default: on
+        # the H200 (session 20, calls P and Q) every share measured ran slower than without, where the
+        # estimator had priced several faster (see SHARE_STEPS)
+        self.ffn_share = ffn_share
         self.tiers = tuple(sorted({int(t) for t in tiers}))
         self.n_slots = max(1, int(n_slots))
         self.estimator = Estimator(spec, prof, head_rows)

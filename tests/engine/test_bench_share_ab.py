@@ -11,13 +11,16 @@ def test_share_ab_takes_turns_and_reports_medians(tmp_path):
     from engine.bench import share_ab
 
     assert share_ab.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--variants", "on,off,48",
-                          "--rounds", "2", "--parts", "prefill,decode", "--out", str(tmp_path)]) == 0
+                          "--rounds", "2", "--parts", "prefill,decode", "--host-times", "--cpu-part-rows", "16,64",
+                          "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "share_ab.json").read_text())
     assert [r["variant"] for r in report["rounds"]] == ["true", "false", 48] * 2
     for r in report["rounds"]:
         assert r["prefill512_tps"] > 0 and r["decode_tps"] > 0 and "batch4_tps" not in r
         assert set(r["shares"]) and all(v in (0, 48) for v in r["shares"].values())
     assert [m["variant"] for m in report["medians"]] == ["true", "false", 48]
+    assert all(r["host_ms"] and all(n > 0 and ms >= 0 for n, ms in r["host_ms"].values()) for r in report["rounds"])
+    assert [c["rows"] for c in report["cpu_part"]] == [16, 64] and all(c["ms"] > 0 for c in report["cpu_part"])
     assert "command" in report and "machine" in report
 
 

@@ -130,7 +130,7 @@ def llama_planners():
 
     spec = ModelSpec.from_config(get_shape("llama3-8b"))
     prof = profile_from_file(H200)
-    return spec, Planner(spec, prof), Planner(spec, prof, ffn_share=False)
+    return spec, Planner(spec, prof, ffn_share=True), Planner(spec, prof)
 
 
 @pytest.mark.parametrize("budget", ["2GiB", "4GiB", "8GiB"])
@@ -189,7 +189,7 @@ def test_a_moe_model_gets_no_share():
     from engine.sharding.spec import ModelSpec
 
     spec = ModelSpec.from_config(dataclasses.replace(get_shape("qwen3-30b-a3b"), num_layers=8))
-    planset = Planner(spec, profile_from_file(H200)).plan("4GiB")
+    planset = Planner(spec, profile_from_file(H200), ffn_share=True).plan("4GiB")
     assert all(p.ffn_cpu_rows == 0 for p in planset.plans)
 
 
@@ -224,3 +224,12 @@ def test_the_engine_switch_forces_or_drops_the_share(tiny_model, monkeypatch):
     with pytest.raises(BadInputError):
         eng.ffn_share(-1)
     eng.close()
+
+
+def test_plans_carry_no_share_by_default(llama_planners):
+    """Off by default (measured slower on the H200): neither the planner nor the engine's plans give the CPU
+    a share unless asked."""
+    from engine.sharding.planner import Planner
+
+    spec, with_share, _ = llama_planners
+    assert all(p.ffn_cpu_rows == 0 for p in Planner(spec, with_share.prof).plan("4GiB").plans)
