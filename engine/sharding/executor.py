@@ -145,6 +145,8 @@ class Executor:
         self.padded_moe = os.environ.get("SLIPSTREAM_MOE_PADDED", "1") != "0"
         # a one-token attention captured whole, cache write included (see graphs.attention_enabled)
         self.graph_attention = graphs.attention_enabled()
+        # ... run from the host where its neighbours run there (`graphs.host_io_enabled`)
+        self.graph_host_io = graphs.host_io_enabled()
         for i in range(cfg.num_layers):
             if cfg.is_moe_layer(i):
                 self.moe_steps[f"layers.{i}.ffn"] = None
@@ -467,6 +469,11 @@ class Executor:
                 if streamed:
                     self._prime([s for s in streamed if self.order.index(s) >= here])
             on_gpu = self.plan.placement[name] is not Placement.CPU
+            if (on_gpu and self.graphs is not None and self.graph_host_io and x.device.type == "cpu"
+                    and name.endswith(".attn") and gpu is not None
+                    and (y := self._attention_from_host(name, x, segs, cos_sin[gpu])) is not None):
+                x = y             # (a captured attention between host sub-layers: its input and output
+                continue          # crossed through the graph's pinned twins)
             x_in = x
             x = self._move(x, on_gpu)
             w = self._weights(name)
@@ -711,14 +718,40 @@ class Executor:
             q, k, v = dense.attention_qkv(self.cfg, w, x, cos, sin)
         return dense.attention_out(self.cfg, w, x, q, k, v, None, None, None, attend)
 
+    def _attention_from_host(self, name: str, x: torch.Tensor, segs: list[_Segment], cos_sin) -> torch.Tensor | None:
+        """Attention sub-layer `name` on the GPU for a one-token `x` on the host whose next sub-layer runs on
+        the host too (a MoE decode's attention between CPU expert layers), from its captured graph with the
+        hidden state crossing straight into the graph's input and out of its output
+        (`OneTokenGraphs.run_host`): a host tensor, or None where that does not apply (the sub-layer then
+        takes the usual way, which captures the graph)."""
+        at = self.order.index(name)
+        if (self.plan.placement[name] is not Placement.RESIDENT or at + 1 >= len(self.order)
+                or self.plan.placement[self.order[at + 1]] is not Placement.CPU):
+            return None
+        layer = int(name.split(".")[1])
+        pool = self.kv.pools[layer]
+        if (len(segs) != 1 or segs[0].n != 1 or not self.graph_attention or self.plan.host_kv_attention(layer)
+                or not pool.on_gpu or pool.fp8 or not self.plan.kv_on_gpu(layer)
+                or not graphs.fits_padded_context(segs[0].start + 1, self._kv_token_bytes(layer))):
+            return None
+        wk = self._captured_inputs(self._weights(name), segs[0], pool, x.device if x.is_cuda else pool.parts[0].device)
+        g = self.graphs
+        g.rope(*cos_sin)
+        return g.run_host("attnkv", wk, x, self.accel.wait_queued)
+
+    def _captured_inputs(self, w, s: _Segment, pool, device) -> dict[str, torch.Tensor]:
+        """A captured decode attention's inputs beside its weights: the cache pools and the step's index
+        buffers (`OneTokenGraphs.decode_index`)."""
+        rows, table, valid = self.graphs.decode_index(s.seq.block_table, s.start, self.cfg.sliding_window, device)
+        return {**w, "kv.k": pool.parts[0], "kv.v": pool.parts[1], "kv.rows": rows, "kv.table": table,
+                "kv.valid": valid}
+
     def _attention_captured(self, w, x: torch.Tensor, s: _Segment, pool, cos, sin) -> torch.Tensor:
         """A one-token attention on the GPU whole, its cache write and its attention over a padded
         context included (`OneTokenGraphs.decode_index`, `dense.attend_one_token`), from one graph."""
         cfg, g = self.cfg, self.graphs
         cs = g.rope(cos, sin)
-        rows, table, valid = g.decode_index(s.seq.block_table, s.start, cfg.sliding_window, x.device)
-        wk = {**w, "kv.k": pool.parts[0], "kv.v": pool.parts[1], "kv.rows": rows, "kv.table": table,
-              "kv.valid": valid}
+        wk = self._captured_inputs(w, s, pool, x.device)
 
         def run(w_, x_):
             kp, vp = w_["kv.k"], w_["kv.v"]

@@ -100,11 +100,19 @@ def reserve_for(room: int, accel) -> int:
     return RESERVE
 
 
+def host_io_enabled() -> bool:
+    """Whether a captured one-token attention whose input comes from the host and whose output goes back
+    to it copies straight between pinned host buffers and the graph's own input and output
+    (`OneTokenGraphs.run_host`): on unless SLIPSTREAM_GRAPH_HOST_IO is 0 (or off, false, no)."""
+    return os.environ.get("SLIPSTREAM_GRAPH_HOST_IO", "1").lower() not in ("0", "off", "false", "no")
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor       # static input
     out: object           # static output (a tensor or a tuple of them)
+    host: tuple[torch.Tensor, torch.Tensor] | None = None   # pinned twins of x and out (`run_host`)
 
 
 class OneTokenGraphs:
@@ -125,6 +133,7 @@ class OneTokenGraphs:
         self.peak_bytes = 0       # the most the allocator reserved for graphs beyond the step's own memory
         self.captures = 0
         self.replays = 0
+        self.host_replays = 0     # replays whose input and output crossed through the graph's pinned twins
 
     @staticmethod
     def applies(x: torch.Tensor) -> bool:
@@ -170,11 +179,42 @@ class OneTokenGraphs:
             self._kv_src[ctx] = src
         return rows[:1], rows[1:], valid
 
+    @staticmethod
+    def _key(kind: str, w: dict[str, torch.Tensor], x: torch.Tensor) -> tuple:
+        return (kind, x.dtype, x.shape,
+                tuple((n, t.data_ptr(), t.shape, t.stride(), t.dtype) for n, t in sorted(w.items())))
+
+    def run_host(self, kind: str, w: dict[str, torch.Tensor], x: torch.Tensor, wait: Callable[[], None]):
+        """The graph of `kind` over `w` already captured for a one-token input, run on `x` from the host
+        with the result back on the host (a new CPU tensor); None where no such graph is captured yet (the
+        caller takes `run`'s way, which captures at the second sighting). The input is staged in the
+        graph's pinned twin and copied straight into its static input, the output straight from its static
+        output into the other twin, and `wait()` (the caller's wait for the compute stream) returns when
+        it is there: no device tensor is allocated, no copy runs on the device, and the host's result is
+        the graph's own bits. (The twins are reused at the next run of this graph: the input's copy is done
+        by then, as the wait came after it.)"""
+        if x.device.type != "cpu" or x.shape[0] != 1:
+            return None
+        g = self._graphs.get(self._key(kind, w, x))
+        if g is None or not isinstance(g.out, torch.Tensor):
+            return None
+        if g.host is None:
+            g.host = (torch.empty(g.x.shape, dtype=g.x.dtype, pin_memory=True),
+                      torch.empty(g.out.shape, dtype=g.out.dtype, pin_memory=True))
+        pin_in, pin_out = g.host
+        pin_in.copy_(x)
+        g.x.copy_(pin_in, non_blocking=True)
+        g.graph.replay()
+        pin_out.copy_(g.out, non_blocking=True)
+        wait()
+        self.replays += 1
+        self.host_replays += 1
+        return pin_out.clone()
+
     def run(self, kind: str, fn: Callable, w: dict[str, torch.Tensor], x: torch.Tensor):
         """`fn(w, x)` for a one-token `x` on the GPU (its other inputs: `rope`'s buffers), from a graph.
         The result's tensors are the graph's own: use them before the same kind of sub-layer runs again."""
-        key = (kind, x.dtype, x.shape,
-               tuple((n, t.data_ptr(), t.shape, t.stride(), t.dtype) for n, t in sorted(w.items())))
+        key = self._key(kind, w, x)
         g = self._graphs.get(key)
         if g is None:
             if key not in self._seen or len(self._graphs) >= MAX_GRAPHS or self._no_room:
@@ -260,5 +300,6 @@ class OneTokenGraphs:
 
     def stats(self) -> dict:
         return {"cuda_graphs": len(self._graphs), "cuda_graph_captures": self.captures,
-                "cuda_graph_replays": self.replays, "cuda_graph_booked": self.booked, "cuda_graph_error": self.error,
+                "cuda_graph_replays": self.replays, "cuda_graph_host_replays": self.host_replays,
+                "cuda_graph_booked": self.booked, "cuda_graph_error": self.error,
                 "cuda_graph_peak_bytes": self.peak_bytes}

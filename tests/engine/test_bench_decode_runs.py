@@ -164,3 +164,13 @@ def test_decode_runs_take_turns_with_split_plans(tmp_path):
     report = json.loads((tmp_path / "decode_runs.json").read_text())
     assert report["split_variants"] == [False, True]
     assert [r["split_plans"] for r in report["rows"]] == [False, True, False, True]
+
+
+def test_decode_runs_take_turns_with_the_graphs_host_io_off_and_on(tmp_path):
+    from engine.bench import decode_runs
+
+    assert decode_runs.main(["--shape", "tiny-moe", "--budget", "2MiB", "--device", "sim", "--runs", "4",
+                             "--tokens", "3", "--host-io-variants", "off,on", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode_runs.json").read_text())
+    assert [r["graph_host_io"] for r in report["rows"]] == [False, True, False, True]
+    assert report["host_io_variants"] == [False, True]

@@ -393,6 +393,31 @@ def test_captured_decode_attention_gives_the_tokens_of_the_eager_path_on_cuda(ti
         assert a == b, f"first differing token at {next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))}: {a} {b}"
 
 
+@cuda
+@pytest.mark.parametrize("arch,dtype", [("llama3", "bfloat16"), ("qwen3_moe", "float32"), ("qwen3_moe", "bfloat16")])
+def test_attention_between_host_sub_layers_crosses_through_the_graphs_pinned_twins_on_cuda(tiny_model, monkeypatch,
+                                                                                            arch, dtype):
+    """Attention resident with the rest on the CPU (a MoE decode's shape at small budgets): each captured
+    one-token attention runs from the host (`OneTokenGraphs.run_host`), with the tokens of the usual way
+    (SLIPSTREAM_GRAPH_HOST_IO=0), greedy and sampled, across a second conversation."""
+    _open_on_the_cpu_plan(monkeypatch)
+    monkeypatch.setattr(graphs, "MIN_CONTEXT", 16)
+    path = tiny_model(arch, dtype=dtype)
+    tokens, host = {}, {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("SLIPSTREAM_GRAPH_HOST_IO", flag)
+        eng = engine.open_model(path, device="cuda", backend="torch", vram_budget="3GiB", speculative=False)
+        placement = {s.name: Placement.RESIDENT if s.name.endswith((".attn", "head")) else Placement.CPU
+                     for s in eng.spec.sublayers}
+        _force(eng, placement, 2)
+        tokens[flag] = [[e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=40, **kw)]
+                        for kw in ({}, {"temperature": 0.9, "seed": 3})]
+        host[flag] = eng.executor.graphs.stats()["cuda_graph_host_replays"]
+        eng.close()
+    assert host["1"] > 0 and host["0"] == 0, host
+    assert tokens["1"] == tokens["0"]
+
+
 def test_long_contexts_take_the_paged_path():
     """A padded context whose gather would take more than a quarter of the graphs' reserve is not captured
     (Llama-3-8B's layer holds 4 KiB of keys and values per token: up to 4096 positions)."""
