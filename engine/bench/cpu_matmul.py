@@ -2,8 +2,16 @@
 CPU FFN block with each, on FFN-shaped weights rotated through a set larger than the CPU caches.
 
     python -m engine.bench.cpu_matmul [--hidden 4096 --ffn 14336] [--rotate-gib 1.5] [--out DIR]
+    python -m engine.bench.cpu_matmul --rows 1,16,64,512 --dtypes bfloat16 --engine-path --beside-copies \
+        --profile-file docs/benchmarks/profiles/h200.json
 
-Prints a table and writes cpu_matmul.json (command, machine, date) under --out.
+`--engine-path` adds the rate of `dense.linear` as the engine calls it (the native kernel up to
+`kernels.max_rows` rows, PyTorch past them); `--beside-copies` keeps pinned host -> GPU copies running on a
+side stream through every timed call, as a decode or a prompt streams weights (CUDA only); `--profile-file`
+sets beside each row what the profile's CPU GEMM table prices the same matmul at (the estimator's price of
+the CPU side of every plan: session 20 found the CPU's rows of split FFNs 3-8x slower than it). Rates are
+GB/s of weights read and GFLOP/s. Prints a table and writes cpu_matmul.json (command, machine, date) under
+--out.
 """
 
 from __future__ import annotations
@@ -59,11 +67,32 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--dtypes", default="bfloat16,float16,float32")
     ap.add_argument("--min-s", type=float, default=0.5)
+    ap.add_argument("--engine-path", action="store_true",
+                    help="also time dense.linear as the engine takes it (native up to kernels.max_rows rows)")
+    ap.add_argument("--beside-copies", action="store_true",
+                    help="pinned host -> GPU copies running through every timed call (needs CUDA)")
+    ap.add_argument("--profile-file", default=None,
+                    help="a profile database file: print its CPU GEMM price of each matmul beside the rates")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.beside_copies and not torch.cuda.is_available():
+        print("--beside-copies needs CUDA", file=sys.stderr)
+        return 1
+    prof = None
+    if args.profile_file:
+        from engine.commands.plan import profile_from_file
+
+        prof = profile_from_file(args.profile_file)
+    copier = None
+    if args.beside_copies:
+        from engine.bench.cpu_call_phases import Copier
+
+        copier = Copier()
     h, f = args.hidden, args.ffn
-    print(f"threads {torch.get_num_threads()}; native path: {kernels.status()}", flush=True)
+    print(f"threads {torch.get_num_threads()}; native path: {kernels.status()}"
+          f"{'; beside host -> GPU copies' if copier else ''}", flush=True)
     rows_out = []
+    paths = (("native", True), ("torch", False)) + ((("engine", None),) if args.engine_path else ())
     for name in args.dtypes.split(","):
         dt = DTYPES[name]
         per = 2 * f * h * dt.itemsize
@@ -72,15 +101,36 @@ def main(argv=None) -> int:
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, h).to(dt)
             row = {"dtype": name, "rows": m, "shape": [2 * f, h]}
-            for path, on in (("native", True), ("torch", False)):
-                kernels.set_enabled(on)
-                row[f"{path}_gbps"] = round(_rate(lambda i, x=x, ws=ws, count=count: dense.linear(x, ws[i % count]), per, count,
-                                                  args.min_s), 2)
+            for path, on in paths:
+                if path == "native" and not kernels.usable(x, ws[0], rows=1 << 30):
+                    row["native_gbps"] = None      # (past what the native kernel takes at all)
+                    continue
+                kernels.set_enabled(on is not False)
+
+                def call(i, x=x, ws=ws, count=count, native=on is True):
+                    if copier is not None:
+                        copier.top_up()
+                    if native:
+                        y = kernels.linear(x, ws[i % count], rows=1 << 30)
+                        if y is not None:
+                            return y
+                    return dense.linear(x, ws[i % count])
+                row[f"{path}_gbps"] = round(_rate(call, per, count, args.min_s), 2)
             kernels.set_enabled(True)
+            flops = 2 * m * per / dt.itemsize
+            for path, _ in paths:
+                gbps = row.get(f"{path}_gbps")
+                row[f"{path}_gflops"] = round(gbps * flops / per, 1) if gbps else None
+            if prof is not None:
+                ms = prof.gemm_ms("cpu", name, "ffn", flops / m, m)
+                row["priced_gbps"] = round(per / ms / 1e6, 2)
             rows_out.append(row)
-            print(f"{name:9s} rows {m:3d}: native {row['native_gbps']:7.1f} GB/s   torch {row['torch_gbps']:7.1f}"
-                  f" GB/s   x{row['native_gbps'] / row['torch_gbps']:.2f}", flush=True)
+            cells = "   ".join(f"{p} {row.get(f'{p}_gbps') or 0:7.1f} GB/s {row.get(f'{p}_gflops') or 0:7.0f} GFLOP/s"
+                               for p, _ in paths)
+            priced = f"   priced {row['priced_gbps']:7.1f} GB/s" if "priced_gbps" in row else ""
+            print(f"{name:9s} rows {m:4d}: {cells}{priced}", flush=True)
         del ws
+    copies = copier.gbps() if copier is not None else None
     # the engine's CPU FFN block (norm, fused gate/up, SwiGLU, down), bf16, one token
     cfg = ModelConfig(arch="llama", vocab_size=256, hidden_size=h, intermediate_size=f, num_layers=1,
                       num_heads=1, num_kv_heads=1, head_dim=h, dtype="bfloat16")
@@ -106,7 +156,8 @@ def main(argv=None) -> int:
               "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                           "torch": torch.__version__, "native": kernels.status()},
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "matmul": rows_out, "ffn_block": block, "read_gbps": bw}
+              "matmul": rows_out, "ffn_block": block, "read_gbps": bw,
+              "beside_copies_gbps": copies, "profile_file": args.profile_file}
     if args.out:
         out = Path(args.out) / "cpu_matmul.json"
         out.parent.mkdir(parents=True, exist_ok=True)
