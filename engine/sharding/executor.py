@@ -107,6 +107,7 @@ class Executor:
 
         self.store = WeightStore(groups, accel)
         self.order = list(groups)                   # embed, layers.0.attn, layers.0.ffn, ..., head
+        self._next = dict(zip(self.order, self.order[1:]))   # sub-layer -> the one after it
         self.kv = PagedKVCache(cfg, dtype, accel, fp8=kv_fp8)
         self.rope = RotaryTable(cfg)
         # one-token GPU work replayed from CUDA graphs (see graphs.py); None off CUDA or when turned off
@@ -724,9 +725,9 @@ class Executor:
         hidden state crossing straight into the graph's input and out of its output
         (`OneTokenGraphs.run_host`): a host tensor, or None where that does not apply (the sub-layer then
         takes the usual way, which captures the graph)."""
-        at = self.order.index(name)
-        if (self.plan.placement[name] is not Placement.RESIDENT or at + 1 >= len(self.order)
-                or self.plan.placement[self.order[at + 1]] is not Placement.CPU):
+        nxt = self._next.get(name)
+        if (self.plan.placement[name] is not Placement.RESIDENT or nxt is None
+                or self.plan.placement[nxt] is not Placement.CPU):
             return None
         layer = int(name.split(".")[1])
         pool = self.kv.pools[layer]

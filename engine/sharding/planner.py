@@ -403,7 +403,7 @@ class Planner:
             need = format_bytes(self.min_budget(kind, kv_tokens))
             raise BudgetError(f"no {kind} plan fits a VRAM budget of {format_bytes(budget)} for every tier "
                               f"(the {kind} plans need at least {need})")
-        groups = [g_of for g_of in ((best[2] if ti in small else best[3]) for ti in range(len(self.tiers)))]
+        groups = [best[2] if ti in small else best[3] for ti in range(len(self.tiers))]
         plans = [self._make_plan(*(self._with_share(kv_tokens, ti, groups[ti], b, m, ms) if kind == "auto"
                                    else (m, ms, 0)), tier, kind, kv_tokens, b)
                  for ti, ((m, ms), tier, b) in enumerate(zip(best[1], self.tiers, budgets))]

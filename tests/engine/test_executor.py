@@ -14,6 +14,7 @@ import torch
 
 import engine
 from engine.sharding.plan import Placement, Plan, PlanSet
+from tests.engine.tiny_plans import all_cpu_planset, force_planset
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 # "sim" in CI; the GPU machine runs the same tests with SLIPSTREAM_TEST_DEVICE=cuda.
@@ -27,21 +28,13 @@ def random_planset(eng, rng: random.Random, n_slots: int) -> PlanSet:
     return PlanSet(eng.budget, [Plan(t, "manual", dict(placement), n_slots) for t in eng.tiers])
 
 
-def force_planset(eng, planset: PlanSet) -> None:
-    eng._make_planset = lambda budget, kv_tokens=None: planset
-    eng.set_vram_budget(eng.budget)
-
 
 @pytest.fixture(autouse=True)
 def no_planner(monkeypatch):
     """Open every engine here on an all-CPU plan; each test then forces its own placements."""
     from engine.backends.torch_engine import TorchEngine
 
-    def all_cpu(self, budget, kv_tokens=None):
-        return PlanSet(budget, [Plan(t, "manual", {s.name: Placement.CPU for s in self.spec.sublayers}, 0)
-                                for t in self.tiers])
-
-    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu)
+    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu_planset)
 
 
 @pytest.fixture(scope="module")

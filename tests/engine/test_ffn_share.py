@@ -17,6 +17,7 @@ import pytest
 import engine
 from engine.errors import BadInputError
 from engine.sharding.plan import Placement, Plan, PlanSet
+from tests.engine.tiny_plans import all_cpu_planset, force_planset
 
 DEVICE = os.environ.get("SLIPSTREAM_TEST_DEVICE", "sim")
 TOL = 1e-5 if DEVICE == "sim" else 1e-3
@@ -31,20 +32,12 @@ def shared_planset(eng, rows: int, n_slots: int = 2, attn: Placement = Placement
     return PlanSet(eng.budget, [Plan(t, "manual", dict(placement), n_slots, ffn_cpu_rows=rows) for t in eng.tiers])
 
 
-def force(eng, planset: PlanSet) -> None:
-    eng._make_planset = lambda budget, kv_tokens=None: planset
-    eng.set_vram_budget(eng.budget)
-
 
 @pytest.fixture(autouse=True)
 def no_planner(monkeypatch):
     from engine.backends.torch_engine import TorchEngine
 
-    def all_cpu(self, budget, kv_tokens=None):
-        return PlanSet(budget, [Plan(t, "manual", {s.name: Placement.CPU for s in self.spec.sublayers}, 0)
-                                for t in self.tiers])
-
-    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu)
+    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu_planset)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -58,7 +51,7 @@ def test_shared_rows_give_the_whole_ffns_logits(tiny_model, arch, attn):
     eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB")
     inter = eng.config.intermediate_size
     for rows in (16, inter // 2, inter - 16, inter):
-        force(eng, shared_planset(eng, rows, attn=attn))
+        force_planset(eng, shared_planset(eng, rows, attn=attn))
         got = eng.score(ids)
         assert ((got - ref).abs().max() / ref.abs().max()).item() < TOL, rows
     eng.close()
@@ -72,7 +65,7 @@ def test_a_share_copies_only_the_gpus_rows(tiny_model):
     row_bytes = up.shape[1] * up.element_size()       # a row of gate or up
     copied = {}
     for rows in (0, 48):
-        force(eng, shared_planset(eng, rows, n_slots=1))     # one slot: every FFN is copied every step
+        force_planset(eng, shared_planset(eng, rows, n_slots=1))     # one slot: every FFN is copied every step
         eng.score([1, 2, 3])                                  # (the first step after a switch primes)
         before = ex.copied_bytes
         eng.score([4, 5, 6])
@@ -93,12 +86,12 @@ def test_shares_changing_mid_generation_keep_the_tokens(tiny_model, n_slots):
     eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB")
     inter = eng.config.intermediate_size
     rng = random.Random(3)
-    force(eng, shared_planset(eng, inter // 2, n_slots))
+    force_planset(eng, shared_planset(eng, inter // 2, n_slots))
     got = []
     for i, ev in enumerate(eng.generate("the quick brown fox", max_new_tokens=24)):
         got.append(ev.token_id)
         if i % 4 == 1:
-            force(eng, shared_planset(eng, rng.choice([0, 16, inter // 4, inter]), n_slots))
+            force_planset(eng, shared_planset(eng, rng.choice([0, 16, inter // 4, inter]), n_slots))
     assert got == want
     assert eng.accel.total_used <= eng.budget
     eng.close()
@@ -106,7 +99,7 @@ def test_shares_changing_mid_generation_keep_the_tokens(tiny_model, n_slots):
 
 def test_the_share_off_runs_whole_ffns(tiny_model):
     eng = engine.open_model(tiny_model("llama3"), device=DEVICE, backend="torch", vram_budget="1GiB")
-    force(eng, shared_planset(eng, 32, n_slots=1))
+    force_planset(eng, shared_planset(eng, 32, n_slots=1))
     eng.executor.ffn_share = False
     eng.score([1, 2, 3])
     before = eng.executor.copied_bytes

@@ -32,3 +32,18 @@ def third_of_weights(eng) -> int:
 
     spec = eng.spec
     return spec.total_weight_bytes // 3 + kv_cache_bytes(spec, eng.kv_tokens) + scratch_bytes(spec, TIERS[-1])
+
+
+def all_cpu_planset(self, budget, kv_tokens=None):
+    """A `TorchEngine._make_planset` stand-in: every tier on the CPU (tests patch it in so that engines open
+    on a plan of their own and then force theirs with `force_planset`)."""
+    from engine.sharding.plan import Placement, Plan, PlanSet
+
+    return PlanSet(budget, [Plan(t, "manual", {s.name: Placement.CPU for s in self.spec.sublayers}, 0)
+                            for t in self.tiers])
+
+
+def force_planset(eng, planset) -> None:
+    """From now on `eng` plans `planset` for any budget; re-planned at its budget at once."""
+    eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
+    eng.set_vram_budget(eng.budget)
