@@ -17,7 +17,10 @@ pool follows), under one plan, `--spins A,B` for the native pool's spin before i
 (`kernels.set_spin`; with `--cpu-variants`, each spin count runs a whole round of the variants), and `--cpu-variants none,layers.*.attn+head` for the planner's plan against the
 same plan with the named sub-layers computed on the CPU (`TorchEngine.move_to_cpu`; patterns joined by "+";
 `streamed-ffn:N`: N of the FFNs the planner's one-token plan streams, evenly spaced); `--split-variants off,on`
-for the small-step tiers planned with the prompts' tiers or apart (`TorchEngine.split_plans`).
+for the small-step tiers planned with the prompts' tiers or apart (`TorchEngine.split_plans`), `--host-io-variants
+off,on` for a captured attention between host sub-layers run from the host or not. `--order abba` reverses the
+variants' order every other round (a lease's drift over the call then favours none of them; and with
+`--poll-s` and two variants, the poller no longer runs beside one variant only, as in session 20's call O).
 Prints a table and writes decode_runs.json.
 """
 
@@ -82,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-variants", default="",
                     help="placements the runs take turns at: comma-separated, each 'none' (the planner's plan) or "
                          "sub-layer name patterns joined by '+' that the plan computes on the CPU")
+    ap.add_argument("--order", default="cycle", choices=("cycle", "abba"),
+                    help="the variants' turns: in the same order each round, or reversed every other round")
     ap.add_argument("--out", type=Path, default=Path("."))
     args = ap.parse_args(argv)
     import torch
@@ -139,6 +144,16 @@ def _short(profile: str | None) -> str:
     return ("lease:" if profile.startswith("lease:") else "") + Path(profile.removeprefix("lease:")).name
 
 
+def turn_of(order: str):
+    """Which variant of n run i takes: "cycle" 0, 1, ..., n-1, 0, 1, ...; "abba" reverses every other round
+    (0, 1, 1, 0, ...), so that a lease whose speed drifts over the call favours no variant by its place in
+    the round (session 20's call S: the lease sped up by about 1 ms a token from one run to the next)."""
+    def turn(i: int, n: int) -> int:
+        r, pos = divmod(i, n)
+        return n - 1 - pos if order == "abba" and r % 2 else pos
+    return turn
+
+
 def _spin_turn(i: int, spins: list, variants: list) -> int:
     """The spin count of run i: with --cpu-variants too, each spin count takes a whole round of the variants
     (the two axes cross instead of moving together)."""
@@ -180,21 +195,22 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
     for n in PROMPTS:
         for r in range(3):
             prefill_tps(eng, n, r, salt)
+    turn = turn_of(args.order)
     asked = ["+".join(v) or "none" for v in variants]
     variants = [resolve_variant(eng, v) for v in variants]
     rows = []
     for i in range(args.runs):
         if profiles:
-            eng.use_profile(profiles[i % len(profiles)])
+            eng.use_profile(profiles[turn(i, len(profiles))])
             one_run(eng, 90 + i, salt, 4)               # (the switch's weight moves out of the timed run)
         if threads:
-            torch.set_num_threads(threads[i % len(threads)])
+            torch.set_num_threads(threads[turn(i, len(threads))])
             one_run(eng, 190 + i, salt, 4)              # (the pool restarts at its first call)
         if args.splits:
-            eng.split_plans(args.splits[i % len(args.splits)])
+            eng.split_plans(args.splits[turn(i, len(args.splits))])
             one_run(eng, 490 + i, salt, 4)              # (the switch's weight moves out of the timed run)
         if args.host_io:
-            eng.executor.graph_host_io = args.host_io[i % len(args.host_io)]
+            eng.executor.graph_host_io = args.host_io[turn(i, len(args.host_io))]
             one_run(eng, 590 + i, salt, 4)
         if spins:
             from engine import kernels
@@ -202,7 +218,7 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
             kernels.set_spin(spins[_spin_turn(i, spins, variants)])
             one_run(eng, 390 + i, salt, 4)
         if variants:
-            eng.move_to_cpu(variants[i % len(variants)])
+            eng.move_to_cpu(variants[turn(i, len(variants))])
             one_run(eng, 290 + i, salt, 4)              # (the switch's weight moves out of the timed run)
         polled = bool(args.poll_s) and i % 2 == 1
         if polled:            # as the suite samples this process's VRAM beside its runs
@@ -213,13 +229,13 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
         else:
             rows.append(one_run(eng, 3 + i, salt, args.tokens))
         rows[-1]["nvml_poll_s"] = args.poll_s if polled else None
-        rows[-1]["profile"] = names[i % len(names)] if names else None
+        rows[-1]["profile"] = names[turn(i, len(names))] if names else None
         rows[-1]["threads"] = torch.get_num_threads()
-        rows[-1]["split_plans"] = args.splits[i % len(args.splits)] if args.splits else None
-        rows[-1]["graph_host_io"] = args.host_io[i % len(args.host_io)] if args.host_io else None
+        rows[-1]["split_plans"] = args.splits[turn(i, len(args.splits))] if args.splits else None
+        rows[-1]["graph_host_io"] = args.host_io[turn(i, len(args.host_io))] if args.host_io else None
         rows[-1]["spin"] = spins[_spin_turn(i, spins, variants)] if spins else None
-        rows[-1]["moved_to_cpu"] = "+".join(variants[i % len(variants)]) or "none" if variants else None
-        rows[-1]["variant"] = asked[i % len(asked)] if variants else None
+        rows[-1]["moved_to_cpu"] = "+".join(variants[turn(i, len(variants))]) or "none" if variants else None
+        rows[-1]["variant"] = asked[turn(i, len(asked))] if variants else None
     print("| run | profile | threads | spin | split | host io | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -3,7 +3,7 @@
     python -m engine.bench.share_ab --shape llama3-8b --budget 4GiB --variants on,off --rounds 3 --out DIR
     python -m engine.bench.share_ab --shape llama3-8b --budget 4GiB --variants 0,1792,3584 --parts decode
 
-Each variant is `TorchEngine.ffn_share`'s setting: `on` (the planner's shares, the default), `off` (whole
+Every other round takes the variants in reverse order. Each variant is `TorchEngine.ffn_share`'s setting: `on` (the planner's shares, the default), `off` (whole
 FFNs), or a number of rows forced into every plan that streams a dense FFN (the planner's placements kept:
 a share the planner did not choose, set beside its choice). The engine is set up as the suite's
 (`slipstream_runs`: the prompts of 512 and 4096 tokens warm first); per round and variant, after one short
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"host share alone: {c}", flush=True)
     rounds = []
     for r in range(args.rounds):
-        for v in variants:
+        for v in (variants if r % 2 == 0 else variants[::-1]):   # (ABBA: a drifting lease favours none)
             eng.ffn_share(v)
             prefill_tps(eng, 16, 400 + r, salt)         # (the switch's weight moves out of the timed work)
             # (each variant its own prompts: the prefix cache must not serve one variant's prompt to the next)

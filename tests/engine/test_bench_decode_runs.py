@@ -174,3 +174,18 @@ def test_decode_runs_take_turns_with_the_graphs_host_io_off_and_on(tmp_path):
     report = json.loads((tmp_path / "decode_runs.json").read_text())
     assert [r["graph_host_io"] for r in report["rows"]] == [False, True, False, True]
     assert report["host_io_variants"] == [False, True]
+
+
+def test_decode_runs_in_abba_order_reverse_every_other_round(tmp_path):
+    from engine.bench import decode_runs
+
+    assert decode_runs.main(["--shape", "tiny-moe", "--budget", "2MiB", "--device", "sim", "--runs", "6",
+                             "--tokens", "3", "--host-io-variants", "off,on", "--order", "abba", "--poll-s", "0.02",
+                             "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "decode_runs.json").read_text())["rows"]
+    assert [r["graph_host_io"] for r in rows] == [False, True, True, False, False, True]
+    polled = [r["graph_host_io"] for r in rows if r["nvml_poll_s"]]
+    assert polled.count(True) and polled.count(False)       # the poller beside both variants
+    turn = decode_runs.turn_of("abba")
+    assert [turn(i, 3) for i in range(9)] == [0, 1, 2, 2, 1, 0, 0, 1, 2]
+    assert [decode_runs.turn_of("cycle")(i, 3) for i in range(6)] == [0, 1, 2, 0, 1, 2]

@@ -14,7 +14,7 @@ def test_share_ab_takes_turns_and_reports_medians(tmp_path):
                           "--rounds", "2", "--parts", "prefill,decode", "--host-times", "--cpu-part-rows", "16,64",
                           "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "share_ab.json").read_text())
-    assert [r["variant"] for r in report["rounds"]] == ["true", "false", 48] * 2
+    assert [r["variant"] for r in report["rounds"]] == ["true", "false", 48, 48, "false", "true"]
     for r in report["rounds"]:
         assert r["prefill512_tps"] > 0 and r["decode_tps"] > 0 and "batch4_tps" not in r
         assert set(r["shares"]) and all(v in (0, 48) for v in r["shares"].values())
