@@ -333,7 +333,10 @@ class TorchEngine(Engine):
             from engine.sharding.plan import PlanSet
             from engine.sharding.planner import best_step_tokens
 
-            plans = [self.planner().moved_to_cpu(p, self._on_cpu) for p in planset.plans]
+            # (a move to the GPU that would not fit a tier's budget leaves that tier's plan as it was)
+            moved = [self.planner().moved_to_cpu(p, self._on_cpu) for p in planset.plans]
+            plans = [m if m.vram.total <= budget - (reserve if p.tier == 1 else 0) else p
+                     for m, p in zip(moved, planset.plans)]
             planset = PlanSet(planset.budget, plans, step_tokens=best_step_tokens(plans))
         if self._ffn_share is not True and self._ffn_share is not False:
             from engine.sharding.plan import PlanSet
@@ -520,10 +523,15 @@ class TorchEngine(Engine):
 
     def move_to_cpu(self, patterns: tuple[str, ...] | list[str] = ()) -> None:
         """From now on compute the sub-layers whose names match `patterns` ("layers.*.attn", "head") on the
-        CPU in every plan, whatever the planner chose, re-planning at once; () goes back to the planner's
-        plans. For benchmarks that set a placement beside the chosen one in one engine (the tokens are the
-        same under any plan)."""
+        CPU in every plan, whatever the planner chose, or place them as an entry "PATTERN=PLACE" says
+        ("head=resident", "layers.*.attn=streamed"; a tier whose moved plan would not fit its budget keeps
+        the planner's), re-planning at once; () goes back to the planner's plans. For benchmarks that set a
+        placement beside the chosen one in one engine (the tokens are the same under any plan)."""
         self._require_open()
+        from engine.sharding.planner import parse_move
+
+        for entry in patterns:
+            parse_move(entry)               # (a bad entry fails here, before anything moves)
         with self._lock:
             self._on_cpu = tuple(patterns)
             if self.planset is not None:
@@ -538,6 +546,7 @@ class TorchEngine(Engine):
             rep["in_use"] = dict(self.accel.used, total=self.accel.total_used, peak=self.accel.peak)
             rep["process_overhead"] = {"bytes": self.accel.overhead, "source": self.accel.overhead_source,
                                        "bookable": self.accel.budget}
+            rep["expandable_segments"] = self.accel.expandable_segments
         from engine import kernels
 
         rep["cpu_matmul"] = kernels.status()

@@ -166,6 +166,24 @@ class CopyHandle:
                 time.sleep(_POLL_S)
 
 
+def expandable_segments() -> bool:
+    """Let PyTorch's CUDA allocator grow one mapped segment instead of keeping fixed ones, unless the user
+    configured the allocator (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF) or SLIPSTREAM_EXPANDABLE_SEGMENTS=0.
+    Under the allocator's cap (`Accelerator.cap_allocator`), fixed segments fragment as plans move weights
+    in and out: on the H200 a re-plan at an unchanged 2 GiB budget (the MoE shape's head made resident)
+    failed to place a 38 MiB buffer with 186 MiB reserved and unused beside 956 MiB live, and cached blocks
+    given back did not help (session 21, call X; session 20's call O ran out the same way); with expandable
+    segments the same switch went through. Call before the first CUDA allocation; True when set here."""
+    if ("PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ
+            or os.environ.get("SLIPSTREAM_EXPANDABLE_SEGMENTS", "1") == "0"):
+        return False
+    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
+    if setter is None:
+        return False
+    setter("expandable_segments:True")
+    return True
+
+
 class Accelerator:
     """Byte-accounted device memory, a copy engine, and non-spinning waits."""
 
@@ -185,6 +203,7 @@ class Accelerator:
             # new at every token: on the H200 each resident attention's SDPA call took 2.7 ms of host time
             # by decode token 40 (95 us at lengths seen before). Flash / memory-efficient kernels need no plan.
             torch.backends.cuda.enable_cudnn_sdp(False)
+            self.expandable_segments = expandable_segments()
             self._copy_stream = torch.cuda.Stream(self.device)
             self._pool = None
             env = os.environ.get("SLIPSTREAM_VRAM_OVERHEAD")
@@ -196,6 +215,8 @@ class Accelerator:
             self._copy_stream = None
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-copy")
         self.start_overhead = self.overhead
+        if kind != "cuda":
+            self.expandable_segments = False
 
     @property
     def name(self) -> str:

@@ -271,6 +271,19 @@ def best_step_tokens(plans: list[Plan]) -> int:
     return min(plans, key=lambda p: (p.predicted_ms / p.tier, p.tier)).tier
 
 
+def parse_move(entry: str) -> tuple[str, Placement]:
+    """One `Planner.moved_to_cpu` entry: "PATTERN" (computed on the CPU) or "PATTERN=PLACE" (PLACE: cpu,
+    resident or streamed) -> (pattern, placement); a one-line error for anything else."""
+    pat, sep, to = entry.partition("=")
+    if not sep:
+        return entry, Placement.CPU
+    try:
+        return pat, Placement(to.strip().lower())
+    except ValueError:
+        raise BadInputError(f"{entry!r}: expected PATTERN or PATTERN=PLACE with PLACE one of cpu, resident, "
+                            "streamed") from None
+
+
 class Planner:
     """Plans for one model on one profile: `plan(budget)` -> PlanSet; `estimate(plan, n, ctx)` -> ms."""
 
@@ -491,13 +504,23 @@ class Planner:
 
     def moved_to_cpu(self, plan: Plan, patterns: tuple[str, ...]) -> Plan:
         """`plan` with the sub-layers whose names match any of `patterns` (shell-style: "layers.*.attn")
-        computed on the CPU instead, priced by the same estimator: a placement the planner did not choose,
-        for benchmarks that set it beside the chosen one. It takes no more VRAM than `plan`. A layer whose
-        attention moves keeps its KV cache in host memory (the GPU-resident KV prefix ends before it)."""
+        computed on the CPU instead, or, for an entry "PATTERN=PLACE" (PLACE: cpu, resident or streamed),
+        placed there, priced by the same estimator: a placement the planner did not choose, for benchmarks
+        that set it beside the chosen one. Moves to the CPU alone take no more VRAM than `plan`; the caller
+        checks a move to the GPU against its budget (`vram.total`). A layer whose attention moves to the CPU
+        keeps its KV cache in host memory (the GPU-resident KV prefix ends before it); one whose attention
+        moves to the GPU keeps its KV where it was (in host memory past the prefix: copied in each step)."""
         from fnmatch import fnmatchcase
 
-        placement = {n: Placement.CPU if any(fnmatchcase(n, pat) for pat in patterns) else p
-                     for n, p in plan.placement.items()}
+        rules = [parse_move(p) for p in patterns]
+
+        def place(name: str, was: Placement) -> Placement:
+            for pat, to in rules:
+                if fnmatchcase(name, pat):
+                    return to
+            return was
+
+        placement = {n: place(n, p) for n, p in plan.placement.items()}
         kv_layers = plan.kv_layers
         if kv_layers is not None:
             kv_layers = min([kv_layers] + [s.layer for s in self.spec.sublayers

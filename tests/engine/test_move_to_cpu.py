@@ -43,3 +43,32 @@ def test_moving_sub_layers_to_the_cpu_keeps_the_tokens_and_comes_back(tiny_model
     assert all(p.on_gpu for p in kv.pools)
     assert any("moved to the CPU" in r["reason"] for r in eng.replans)
     eng.close()
+
+
+def test_moving_sub_layers_to_the_gpu_keeps_the_tokens_within_the_budget(tiny_model):
+    """"PATTERN=PLACE" entries: attention streamed and the head resident keep the tokens and the budget; a
+    tier whose moved plan would not fit keeps the planner's plan; a bad entry fails before anything moves."""
+    import pytest
+
+    from engine.errors import BadInputError
+
+    eng = engine.open_model(tiny_model("llama"), device="sim", backend="torch")
+    eng.set_vram_budget(eng.spec.total_weight_bytes * 4)
+    want = [e.token_id for e in eng.generate("a b c d", max_new_tokens=12, seed=5)]
+    eng.move_to_cpu(["layers.*.attn=streamed", "head=resident", "layers.*.ffn=cpu"])
+    plan = eng.executor.plan
+    assert plan.kind == "manual" and plan.placement["head"] is Placement.RESIDENT
+    assert all(plan.placement[f"layers.{i}.attn"] is Placement.STREAMED for i in range(2))
+    assert all(plan.placement[f"layers.{i}.ffn"] is Placement.CPU for i in range(2))
+    copied = eng.stats()["streamed_bytes"]
+    assert [e.token_id for e in eng.generate("a b c d", max_new_tokens=12, seed=5)] == want
+    assert eng.stats()["streamed_bytes"] > copied or len(plan.streamed()) <= plan.n_slots
+    assert eng.accel.total_used <= eng.budget
+    with pytest.raises(BadInputError, match="PLACE one of"):
+        eng.move_to_cpu(["head=vram"])
+    assert eng.executor.plan.placement["head"] is Placement.RESIDENT      # (nothing moved)
+    eng.set_vram_budget(eng.spec.by_name()["head"].weight_bytes // 2)     # the head no longer fits
+    assert eng.executor.plan.placement["head"] is not Placement.RESIDENT
+    assert [e.token_id for e in eng.generate("a b c d", max_new_tokens=12, seed=5)] == want
+    assert eng.accel.total_used <= eng.budget
+    eng.close()

@@ -422,3 +422,34 @@ def test_a_plan_moved_to_the_cpu_takes_no_more_vram_and_is_priced_by_the_same_es
     assert moved.predicted_ms != pytest.approx(plan.predicted_ms)
     same = planner.moved_to_cpu(plan, ("nothing.*",))
     assert same.placement == plan.placement and same.predicted_ms == pytest.approx(plan.predicted_ms)
+
+
+def test_a_plan_moved_to_the_gpu_is_priced_and_bad_entries_are_refused():
+    """`Planner.moved_to_cpu` with "PATTERN=PLACE" entries: the head made resident and every attention
+    streamed, the KV prefix kept (a streamed attention past it reads its KV from host memory), priced by the
+    estimator; an entry naming no placement fails with one line."""
+    from pathlib import Path
+
+    from engine.bench.shapes import get_shape
+    from engine.commands.plan import profile_from_file
+    from engine.errors import BadInputError
+    from engine.sharding.planner import parse_move
+
+    prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
+    spec = ModelSpec.from_config(get_shape("llama3-8b"))
+    planner = Planner(spec, prof, tiers=(1, 16))
+    plan = planner.plan(1100 * 2**20, kv_tokens=2048).for_tokens(1)     # (2 GiB less a CUDA context)
+    assert plan.placement["head"] is Placement.CPU
+    moved = planner.moved_to_cpu(plan, ("head=resident", "layers.*.attn=streamed", "layers.0.ffn"))
+    assert moved.placement["head"] is Placement.RESIDENT
+    assert all(moved.placement[f"layers.{i}.attn"] is Placement.STREAMED for i in range(32))
+    assert moved.placement["layers.0.ffn"] is Placement.CPU
+    assert moved.kv_layers == plan.kv_layers
+    attn = [s for s in spec.sublayers if s.kind == "attn"]
+    was_res = sum(s.weight_bytes for s in attn if plan.placement[s.name] is Placement.RESIDENT)
+    assert moved.vram.weights >= plan.vram.weights - was_res + spec.by_name()["head"].weight_bytes
+    assert moved.predicted_ms == pytest.approx(planner.estimate(moved, 1, planning_context(1, 2048)))
+    assert parse_move("head=Streamed") == ("head", Placement.STREAMED)
+    assert parse_move("layers.*.attn") == ("layers.*.attn", Placement.CPU)
+    with pytest.raises(BadInputError, match="PLACE one of cpu, resident, streamed"):
+        parse_move("head=gpu")

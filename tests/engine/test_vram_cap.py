@@ -165,3 +165,33 @@ def test_the_cap_keeps_room_for_kernels_still_to_load(monkeypatch):
     assert accel.usable(budget) == budget - 1040 * MiB - dev.ALLOCATOR_MARGIN[0]
     monkeypatch.setenv("SLIPSTREAM_VRAM_OVERHEAD", str(64 * MiB))
     assert accel.lazy_room() == 0
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the allocator cap is a CUDA allocator setting")
+def test_a_freed_segment_partly_reused_does_not_block_a_large_buffer_under_the_cap(monkeypatch):
+    """With expandable segments (the engine's default, `device.expandable_segments`), a large buffer freed,
+    a small one placed where it was and a large one asked for again fit a cap that holds both live buffers:
+    with fixed segments the small buffer pins the freed segment and the new one needs a segment beside it
+    (session 21, call X: a re-plan ran out this way at an unchanged budget)."""
+    from engine.sharding import device
+
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        if var in os.environ:
+            pytest.skip(f"{var} is set: the allocator is the user's")
+    monkeypatch.setenv("SLIPSTREAM_VRAM_OVERHEAD", str(64 * MiB))
+    accel = Accelerator("cuda")
+    assert accel.expandable_segments and device.expandable_segments()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_reserved()
+    try:
+        accel.cap_allocator(64 * MiB + base + 320 * MiB)
+        big = torch.empty(200 * MiB, dtype=torch.uint8, device="cuda")
+        del big
+        small = torch.empty(38 * MiB, dtype=torch.uint8, device="cuda")
+        again = torch.empty(190 * MiB, dtype=torch.uint8, device="cuda")
+        assert small.numel() + again.numel() == 228 * MiB
+        del small, again
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()

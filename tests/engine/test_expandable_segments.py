@@ -1,0 +1,39 @@
+"""The CUDA allocator's expandable segments: set by default before the engine's first allocation, left alone
+when the user configured the allocator or turned it off (the setting itself only acts on CUDA; here the
+setter is recorded)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sharding import device
+
+
+def _recording(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append, raising=False)
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "SLIPSTREAM_EXPANDABLE_SEGMENTS"):
+        monkeypatch.delenv(var, raising=False)
+    return calls
+
+
+def test_expandable_segments_are_set_by_default(monkeypatch):
+    calls = _recording(monkeypatch)
+    assert device.expandable_segments() is True
+    assert calls == ["expandable_segments:True"]
+
+
+def test_a_users_allocator_setting_or_the_switch_wins(monkeypatch):
+    calls = _recording(monkeypatch)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert device.expandable_segments() is False
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("SLIPSTREAM_EXPANDABLE_SEGMENTS", "0")
+    assert device.expandable_segments() is False
+    assert calls == []
+
+
+def test_the_sim_accelerator_reports_no_expandable_segments(monkeypatch):
+    calls = _recording(monkeypatch)
+    accel = device.Accelerator("sim")
+    assert accel.expandable_segments is False and calls == []
