@@ -10,7 +10,8 @@ a share the planner did not choose, set beside its choice). The engine is set up
 untimed request under the new plans: the prompts' prefill rates (`--parts prefill`), one decode run of 32
 sampled tokens (`decode`) and 4 and 16 streams decoding together (`batch`, the suite's aggregate rate). The
 tokens are the same under every variant (the plans change speed only). Prints a table of medians and writes
-share_ab.json.
+share_ab.json. With `--moves`, the variants are placements instead (`TorchEngine.move_to_cpu` entries, as in
+`decode_runs --cpu-variants`); `--host-times` times the batches' sub-layers too.
 """
 
 from __future__ import annotations
@@ -60,9 +61,15 @@ def measure(eng, parts: tuple[str, ...], r: int, salt: str, host_times: bool = F
             out["host_ms"] = {k: [n, round(sec / max(n, 1) * 1e3, 3)] for k, (n, sec) in sorted(ex.sublayer_times.items())}
         ex.sublayer_times = None
     if "batch" in parts and hasattr(eng, "submit"):
+        ex = eng.executor
         for b in (4, 16):
+            ex.sublayer_times = {} if host_times else None
             res = run_streams(eng, b, DECODE_PROMPT, BATCH_NEW_TOKENS, seed=zlib.crc32(f"{salt}:{r}:{b}".encode()) & 0xFFFF)
             out[f"batch{b}_tps"] = res["decode_aggregate_tokens_per_s"]
+            if host_times:   # (the prompts' steps included)
+                out[f"batch{b}_host_ms"] = {k: [n, round(sec / max(n, 1) * 1e3, 3)]
+                                            for k, (n, sec) in sorted(ex.sublayer_times.items())}
+            ex.sublayer_times = None
     return out
 
 
@@ -103,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or sim (a dry run)")
     ap.add_argument("--variants", default="on,off",
                     help="comma-separated: on, off, or a number of rows (TorchEngine.ffn_share)")
+    ap.add_argument("--moves", default="",
+                    help="instead of shares: ';'-separated placements set beside each other (TorchEngine.move_to_cpu: "
+                         "'none', or entries joined by '+', e.g. 'none;layers.[0-3].attn=resident')")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--host-times", action="store_true",
@@ -116,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         variants = [parse_variant(v) for v in args.variants.split(",") if v]
     except ValueError:
         ap.error(f"--variants {args.variants}: expected on, off or numbers of rows, comma-separated")
+    moves = [m.strip() for m in args.moves.split(";") if m.strip()]
+    if moves:
+        variants = moves
     parts = tuple(p for p in args.parts.split(",") if p)
     if not variants or not parts or any(p not in PARTS for p in parts):
         ap.error(f"--parts {args.parts}: expected some of {', '.join(PARTS)}")
@@ -136,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     for r in range(args.rounds):
         for v in (variants if r % 2 == 0 else variants[::-1]):   # (ABBA: a drifting lease favours none)
-            eng.ffn_share(v)
+            if moves:
+                eng.move_to_cpu(() if v == "none" else tuple(v.split("+")))
+            else:
+                eng.ffn_share(v)
             prefill_tps(eng, 16, 400 + r, salt)         # (the switch's weight moves out of the timed work)
             # (each variant its own prompts: the prefix cache must not serve one variant's prompt to the next)
             row = {"round": r, "variant": str(v).lower() if isinstance(v, bool) else v,

@@ -30,3 +30,18 @@ def test_share_ab_refuses_bad_arguments(bad):
 
     with pytest.raises(SystemExit):
         share_ab.main(["--device", "sim", *bad])
+
+
+def test_share_ab_sets_placements_beside_each_other_and_times_the_batches(tmp_path):
+    from engine.bench import share_ab
+
+    assert share_ab.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--moves",
+                          "none;layers.*.attn+head", "--rounds", "2", "--parts", "decode,batch", "--host-times",
+                          "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "share_ab.json").read_text())
+    assert [r["variant"] for r in report["rounds"]] == ["none", "layers.*.attn+head", "layers.*.attn+head", "none"]
+    for r in report["rounds"]:
+        assert r["decode_tps"] > 0 and r["batch4_tps"] > 0 and r["batch16_tps"] > 0
+        assert all(n > 0 for n, _ms in r["batch4_host_ms"].values())
+    moved = [r for r in report["rounds"] if r["variant"] != "none"]
+    assert all("cpu/attn" in r["batch16_host_ms"] and "cpu/head" in r["batch16_host_ms"] for r in moved)
