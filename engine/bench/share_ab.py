@@ -11,7 +11,8 @@ untimed request under the new plans: the prompts' prefill rates (`--parts prefil
 sampled tokens (`decode`) and 4 and 16 streams decoding together (`batch`, the suite's aggregate rate). The
 tokens are the same under every variant (the plans change speed only). Prints a table of medians and writes
 share_ab.json. With `--moves`, the variants are placements instead (`TorchEngine.move_to_cpu` entries, as in
-`decode_runs --cpu-variants`); `--host-times` times the batches' sub-layers too.
+`decode_runs --cpu-variants`); `--host-times` times the batches' sub-layers too, and `--phases` the native
+layer calls phase by phase (beside the sub-layer timer's wall time per kind: what happens outside the calls).
 """
 
 from __future__ import annotations
@@ -42,7 +43,19 @@ def plan_shares(eng) -> dict[int, int]:
     return {p.tier: p.ffn_cpu_rows for p in eng.planset.plans}
 
 
-def measure(eng, parts: tuple[str, ...], r: int, salt: str, host_times: bool = False) -> dict:
+def _phases_per_call(ph: dict | None) -> dict | None:
+    """`kernels.read_phases()` as ms per call of each phase (None where the native library is not loaded)."""
+    if ph is None:
+        return None
+    out = {}
+    for kind in ("attention", "ffn"):
+        n = ph[f"{kind}_calls"]
+        out[kind] = {"calls": n, **{p: round(sec * 1e3 / n, 4) for p, sec in ph[kind].items()}} if n else {"calls": 0}
+    return out
+
+
+def measure(eng, parts: tuple[str, ...], r: int, salt: str, host_times: bool = False, phases: bool = False) -> dict:
+    from engine import kernels
     from engine.bench.batch_throughput import run_streams
     from engine.bench.scenarios import PROMPTS
     from engine.bench.slipstream_runs import BATCH_NEW_TOKENS, DECODE_PROMPT, decode_tps, prefill_tps
@@ -55,7 +68,11 @@ def measure(eng, parts: tuple[str, ...], r: int, salt: str, host_times: bool = F
         detail: list[dict] = []
         ex = eng.executor
         ex.sublayer_times = {} if host_times else None
+        if phases:
+            kernels.read_phases()                           # (resets the sums)
         out["decode_tps"] = decode_tps(eng, 200 + r, salt=salt, detail=detail)
+        if phases:
+            out["decode_phases"] = _phases_per_call(kernels.read_phases())
         out["decode_median_ms"] = detail[0]["median_ms"]
         if host_times:     # per placement/kind: count and mean host ms (the prompt's step included)
             out["host_ms"] = {k: [n, round(sec / max(n, 1) * 1e3, 3)] for k, (n, sec) in sorted(ex.sublayer_times.items())}
@@ -64,7 +81,11 @@ def measure(eng, parts: tuple[str, ...], r: int, salt: str, host_times: bool = F
         ex = eng.executor
         for b in (4, 16):
             ex.sublayer_times = {} if host_times else None
+            if phases:
+                kernels.read_phases()
             res = run_streams(eng, b, DECODE_PROMPT, BATCH_NEW_TOKENS, seed=zlib.crc32(f"{salt}:{r}:{b}".encode()) & 0xFFFF)
+            if phases:
+                out[f"batch{b}_phases"] = _phases_per_call(kernels.read_phases())
             out[f"batch{b}_tps"] = res["decode_aggregate_tokens_per_s"]
             if host_times:   # (the prompts' steps included)
                 out[f"batch{b}_host_ms"] = {k: [n, round(sec / max(n, 1) * 1e3, 3)]
@@ -117,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--host-times", action="store_true",
                     help="the decode runs with the executor's sub-layer timer on (host ms per placement/kind)")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the native attention and FFN layer calls phase by phase over the decode and the "
+                         "batches (kernels.set_phase_timing: a clock read between phases)")
     ap.add_argument("--cpu-part-rows", default="",
                     help="comma-separated row counts: before the rounds, time the host's share of one FFN "
                          "alone (dense.ffn_hidden over the last rows of gate and up, one token)")
@@ -146,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     cpu_part = [time_cpu_part(eng, int(k)) for k in args.cpu_part_rows.split(",") if k]
     for c in cpu_part:
         print(f"host share alone: {c}", flush=True)
+    if args.phases:
+        from engine import kernels
+
+        kernels.set_phase_timing(True)
     rounds = []
     for r in range(args.rounds):
         for v in (variants if r % 2 == 0 else variants[::-1]):   # (ABBA: a drifting lease favours none)
@@ -156,10 +184,12 @@ def main(argv: list[str] | None = None) -> int:
             prefill_tps(eng, 16, 400 + r, salt)         # (the switch's weight moves out of the timed work)
             # (each variant its own prompts: the prefix cache must not serve one variant's prompt to the next)
             row = {"round": r, "variant": str(v).lower() if isinstance(v, bool) else v,
-                   "shares": plan_shares(eng), **measure(eng, parts, r, f"{salt}:{v}", args.host_times)}
+                   "shares": plan_shares(eng), **measure(eng, parts, r, f"{salt}:{v}", args.host_times, args.phases)}
             rounds.append(row)
             print(row, flush=True)
     eng.close()
+    if args.phases:
+        kernels.set_phase_timing(False)
 
     keys = [k for k in rounds[0] if k.endswith(("_tps", "_ms")) and isinstance(rounds[0][k], int | float)]
     table = []

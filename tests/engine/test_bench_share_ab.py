@@ -45,3 +45,19 @@ def test_share_ab_sets_placements_beside_each_other_and_times_the_batches(tmp_pa
         assert all(n > 0 for n, _ms in r["batch4_host_ms"].values())
     moved = [r for r in report["rounds"] if r["variant"] != "none"]
     assert all("cpu/attn" in r["batch16_host_ms"] and "cpu/head" in r["batch16_host_ms"] for r in moved)
+
+
+def test_share_ab_times_the_native_layer_calls_phase_by_phase(tmp_path):
+    from engine import kernels
+    from engine.bench import share_ab
+
+    if kernels._load() is None:
+        pytest.skip(f"no native kernel: {kernels.status()}")
+    assert share_ab.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--moves", "none",
+                          "--rounds", "1", "--parts", "decode,batch", "--phases", "--out", str(tmp_path)]) == 0
+    row = json.loads((tmp_path / "share_ab.json").read_text())["rounds"][0]
+    for key in ("decode_phases", "batch4_phases", "batch16_phases"):
+        ph = row[key]
+        # (16 streams' attention takes the tensor path here: more rows than the native call takes)
+        assert ph["ffn"]["calls"] > 0 and (ph["attention"]["calls"] > 0 or key == "batch16_phases")
+        assert set(ph["ffn"]) == {"calls", *kernels.FFN_PHASES} and all(v >= 0 for v in ph["ffn"].values())
