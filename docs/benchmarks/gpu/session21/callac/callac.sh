@@ -1,5 +1,6 @@
 #!/bin/bash
 # Session 21, call AC (run as `BUDGETS=4GiB bash carry/callac.sh`, the last device minutes; about 1.5 min a budget).
+# Where the CPU side of the Llama-3-8B
 # decode loses a quarter of its probed rate (session 21's call Z: a CPU FFN took 4.55-4.97 ms of host time in
 # the decode, 3.28 priced, 3.7 for the call alone beside copies in session 17). The executor's sub-layer timer
 # (wall time per kind, waits included) beside the native layer calls' own phase timers in the same runs
