@@ -43,6 +43,11 @@ def plan_shares(eng) -> dict[int, int]:
     return {p.tier: p.ffn_cpu_rows for p in eng.planset.plans}
 
 
+def _host_ms(times: dict) -> dict:
+    """The executor's sub-layer timer as placement/kind -> [count, mean host ms]."""
+    return {k: [n, round(sec / max(n, 1) * 1e3, 3)] for k, (n, sec) in sorted(times.items())}
+
+
 def _phases_per_call(ph: dict | None) -> dict | None:
     """`kernels.read_phases()` as ms per call of each phase (None where the native library is not loaded)."""
     if ph is None:
@@ -75,7 +80,7 @@ def measure(eng, parts: tuple[str, ...], r: int, salt: str, host_times: bool = F
             out["decode_phases"] = _phases_per_call(kernels.read_phases())
         out["decode_median_ms"] = detail[0]["median_ms"]
         if host_times:     # per placement/kind: count and mean host ms (the prompt's step included)
-            out["host_ms"] = {k: [n, round(sec / max(n, 1) * 1e3, 3)] for k, (n, sec) in sorted(ex.sublayer_times.items())}
+            out["host_ms"] = _host_ms(ex.sublayer_times)
         ex.sublayer_times = None
     if "batch" in parts and hasattr(eng, "submit"):
         ex = eng.executor
@@ -88,8 +93,7 @@ def measure(eng, parts: tuple[str, ...], r: int, salt: str, host_times: bool = F
                 out[f"batch{b}_phases"] = _phases_per_call(kernels.read_phases())
             out[f"batch{b}_tps"] = res["decode_aggregate_tokens_per_s"]
             if host_times:   # (the prompts' steps included)
-                out[f"batch{b}_host_ms"] = {k: [n, round(sec / max(n, 1) * 1e3, 3)]
-                                            for k, (n, sec) in sorted(ex.sublayer_times.items())}
+                out[f"batch{b}_host_ms"] = _host_ms(ex.sublayer_times)
             ex.sublayer_times = None
     return out
 

@@ -192,6 +192,7 @@ class Accelerator:
             raise ValueError(kind)
         self.kind = kind
         self.device = torch.device("cuda", index) if kind == "cuda" else torch.device("cpu")
+        self.expandable_segments = kind == "cuda" and expandable_segments()   # (before the first allocation)
         self.budget = 0
         self.used = {t: 0 for t in TAGS}
         self.peak = 0
@@ -203,7 +204,6 @@ class Accelerator:
             # new at every token: on the H200 each resident attention's SDPA call took 2.7 ms of host time
             # by decode token 40 (95 us at lengths seen before). Flash / memory-efficient kernels need no plan.
             torch.backends.cuda.enable_cudnn_sdp(False)
-            self.expandable_segments = expandable_segments()
             self._copy_stream = torch.cuda.Stream(self.device)
             self._pool = None
             env = os.environ.get("SLIPSTREAM_VRAM_OVERHEAD")
@@ -215,8 +215,6 @@ class Accelerator:
             self._copy_stream = None
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-copy")
         self.start_overhead = self.overhead
-        if kind != "cuda":
-            self.expandable_segments = False
 
     @property
     def name(self) -> str:
