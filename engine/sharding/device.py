@@ -167,15 +167,18 @@ class CopyHandle:
 
 
 def expandable_segments() -> bool:
-    """Let PyTorch's CUDA allocator grow one mapped segment instead of keeping fixed ones, unless the user
-    configured the allocator (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF) or SLIPSTREAM_EXPANDABLE_SEGMENTS=0.
-    Under the allocator's cap (`Accelerator.cap_allocator`), fixed segments fragment as plans move weights
-    in and out: on the H200 a re-plan at an unchanged 2 GiB budget (the MoE shape's head made resident)
-    failed to place a 38 MiB buffer with 186 MiB reserved and unused beside 956 MiB live, and cached blocks
-    given back did not help (session 21, call X; session 20's call O ran out the same way); with expandable
-    segments the same switch went through. Call before the first CUDA allocation; True when set here."""
-    if ("PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ
-            or os.environ.get("SLIPSTREAM_EXPANDABLE_SEGMENTS", "1") == "0"):
+    """With SLIPSTREAM_EXPANDABLE_SEGMENTS=1, let PyTorch's CUDA allocator grow one mapped segment in 2 MiB
+    pages instead of keeping fixed segments (unless the user configured the allocator:
+    PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF). Under the allocator's cap (`Accelerator.cap_allocator`),
+    fixed segments fragment as forced placements move weights in and out: on the H200 a switch to a moved plan
+    at an unchanged 2 GiB budget (the MoE shape's head made resident) failed to place 38 MiB with 186 MiB
+    reserved and unused beside 956 MiB live, and cached blocks given back did not help (session 21, call X;
+    session 20's decode tiers planned apart ran out the same way); with expandable segments the same switch
+    went through (call Y, where the CUDA engine tests passed with it). Off by default until a budget drop
+    has been timed with it: giving memory back then unmaps it page by page, and the game's VRAM must be back
+    within a quarter second. Call before the first CUDA allocation; True when set here."""
+    if (os.environ.get("SLIPSTREAM_EXPANDABLE_SEGMENTS", "0") != "1"
+            or "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ):
         return False
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
     if setter is None:

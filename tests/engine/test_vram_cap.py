@@ -169,7 +169,7 @@ def test_the_cap_keeps_room_for_kernels_still_to_load(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the allocator cap is a CUDA allocator setting")
 def test_a_freed_segment_partly_reused_does_not_block_a_large_buffer_under_the_cap(monkeypatch):
-    """With expandable segments (the engine's default, `device.expandable_segments`), a large buffer freed,
+    """With expandable segments (SLIPSTREAM_EXPANDABLE_SEGMENTS=1, `device.expandable_segments`), a large buffer freed,
     a small one placed where it was and a large one asked for again fit a cap that holds both live buffers:
     with fixed segments the small buffer pins the freed segment and the new one needs a segment beside it
     (session 21, call X: a re-plan ran out this way at an unchanged budget)."""
@@ -179,6 +179,7 @@ def test_a_freed_segment_partly_reused_does_not_block_a_large_buffer_under_the_c
         if var in os.environ:
             pytest.skip(f"{var} is set: the allocator is the user's")
     monkeypatch.setenv("SLIPSTREAM_VRAM_OVERHEAD", str(64 * MiB))
+    monkeypatch.setenv("SLIPSTREAM_EXPANDABLE_SEGMENTS", "1")
     accel = Accelerator("cuda")
     assert accel.expandable_segments and device.expandable_segments()
     torch.cuda.synchronize()
