@@ -9,9 +9,10 @@ or 16 for the batches) on the given profile: a CPU sub-layer at its CPU price, a
 (the launch of a streamed one, whose copy the step waits for elsewhere). Prints per kind the measured mean
 (median over rounds), the price, their ratio, and both per step. The timer's wall time runs from one
 sub-layer's start to the next one's, so a kind's time holds the waits before the next sub-layer (a CPU
-attention after a GPU FFN waits for that FFN), and a MoE router on the CPU holds its whole layer where the
-layer runs as one native call (`moe.layer_cpu`): the price shown for `cpu/router` is then the router's
-plus its layer's expert groups'.
+attention after a GPU FFN waits for that FFN). A MoE layer run whole (one native call on the CPU,
+`moe.layer_cpu`; or from VRAM) shows up under its router alone: where a placement's expert groups show up on
+their own fewer times than its routers (in a prompt's step, say), its router's row is priced with its
+layer's groups.
 """
 
 from __future__ import annotations
@@ -26,21 +27,20 @@ PART_TOKENS = {"decode": 1, "batch4": 4, "batch16": 16}
 
 
 def kind_prices(spec, prof, n_tokens: int, ctx: int) -> dict[str, float]:
-    """placement/kind -> the mean price (ms) of that kind's sub-layers on that side, at `n_tokens`."""
+    """placement/kind -> the mean price (ms) of that kind's sub-layers on that side, at `n_tokens`; for a MoE
+    router also "<place>/router+experts": the router with its layer's expert groups (a layer run whole, in
+    one call on the CPU or from VRAM, shows up in the timer under its router alone)."""
     from engine.sharding.estimator import step_costs
 
     costs = step_costs(spec, prof, n_tokens, ctx)
     sums: dict[str, list[float]] = {}
-    groups_per_layer = len(spec.config.expert_groups()) if spec.config.is_moe else 0
     for i, sub in enumerate(spec.sublayers):
-        kind = "router" if sub.kind == "router" else sub.kind
-        cpu = float(costs.cpu_ms[i])
-        if kind == "router":      # (on the CPU the layer's groups run inside the router's one call)
-            cpu += groups_per_layer * float(next(costs.cpu_ms[j] for j, s in enumerate(spec.sublayers)
-                                                 if s.kind == "experts" and s.layer == sub.layer))
-        sums.setdefault(f"cpu/{kind}", []).append(cpu)
-        for place in ("resident", "streamed"):
-            sums.setdefault(f"{place}/{kind}", []).append(float(costs.gpu_ms[i]))
+        groups = [j for j, s in enumerate(spec.sublayers) if s.kind == "experts" and s.layer == sub.layer] \
+            if sub.kind == "router" else []
+        for place, side in (("cpu", costs.cpu_ms), ("resident", costs.gpu_ms), ("streamed", costs.gpu_ms)):
+            sums.setdefault(f"{place}/{sub.kind}", []).append(float(side[i]))
+            if groups:
+                sums.setdefault(f"{place}/router+experts", []).append(float(side[i] + sum(side[j] for j in groups)))
     return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
@@ -60,7 +60,12 @@ def compare(report: dict, part: str, prof, ctx: int) -> list[dict]:
         seen = [r[kind] for r in rounds if kind in r]
         n = statistics.median(c for c, _ in seen)
         ms = statistics.median(m for _, m in seen)
-        price = prices.get(kind)
+        place = kind.split("/", 1)[0]
+        # (groups counted fewer times than their routers ran in the steps mostly whole: the prompt's step
+        # may take the general path, the decode steps the whole layer)
+        whole = kind.endswith("/router") and statistics.median(
+            r.get(f"{place}/experts", (0, 0))[0] for r in rounds) < n
+        price = prices.get(f"{place}/router+experts" if whole else kind)
         rows.append({"kind": kind, "per_step": n / max(steps, 1), "measured_ms": ms, "priced_ms": price,
                      "ratio": ms / price if price else None,
                      "measured_step_ms": ms * n / max(steps, 1),
@@ -93,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     tot_m = sum(r["measured_step_ms"] for r in rows)
     tot_p = sum(r["priced_step_ms"] or 0.0 for r in rows)
     print(f"| all | | | | {tot_m / tot_p if tot_p else float('nan'):.2f} | {tot_m:.1f} | {tot_p:.1f} |")
+    if any(r["per_step"] < 1 for r in rows):
+        print(f"(kinds under one a step ran in other steps, such as the prompt's, and are priced here at "
+              f"{PART_TOKENS[args.part]} token(s) all the same)")
     return 0
 
 

@@ -33,13 +33,17 @@ def test_price_check_sets_each_kind_beside_its_price(tmp_path, capsys, shape):
         assert r["measured_ms"] >= 0 and r["per_step"] > 0
         if r["priced_ms"]:
             assert r["ratio"] == pytest.approx(r["measured_ms"] / r["priced_ms"])
-    if shape == "tiny-moe":      # a CPU router's price holds its layer's expert groups (the one-call layer)
-        alone = price_check.kind_prices(spec, profile_from_file(PROFILE), 1, 96)
-        from engine.sharding.estimator import step_costs
-
-        costs = step_costs(spec, profile_from_file(PROFILE), 1, 96)
-        routers = [i for i, s in enumerate(spec.sublayers) if s.kind == "router"]
-        assert alone["cpu/router"] > sum(costs.cpu_ms[i] for i in routers) / len(routers)
+    if shape == "tiny-moe":      # a router whose groups never show up alone is priced with them (a whole layer)
+        assert prices["cpu/router+experts"] > prices["cpu/router"] > 0
+        report_rows = json.loads(report.read_text())["rounds"]
+        for r in rows:
+            if r["kind"].endswith("/router"):
+                place = r["kind"].split("/")[0]
+                groups = [x["batch4_host_ms"].get(f"{place}/experts", (0, 0))[0] for x in report_rows]
+                routers = [x["batch4_host_ms"][r["kind"]][0] for x in report_rows]
+                whole = sorted(groups)[len(groups) // 2] < sorted(routers)[len(routers) // 2]
+                want = prices[f"{place}/router+experts"] if whole else prices[r["kind"]]
+                assert r["priced_ms"] == pytest.approx(want)
 
 
 def test_price_check_says_what_is_missing(tmp_path):
