@@ -505,9 +505,10 @@ class Planner:
     def moved_to_cpu(self, plan: Plan, patterns: tuple[str, ...]) -> Plan:
         """`plan` with the sub-layers whose names match any of `patterns` (shell-style: "layers.*.attn")
         computed on the CPU instead, or, for an entry "PATTERN=PLACE" (PLACE: cpu, resident or streamed),
-        placed there, priced by the same estimator: a placement the planner did not choose, for benchmarks
-        that set it beside the chosen one. Moves to the CPU alone take no more VRAM than `plan`; the caller
-        checks a move to the GPU against its budget (`vram.total`). A layer whose attention moves to the CPU
+        placed there (the first entry whose pattern matches decides), priced by the same estimator: a
+        placement the planner did not choose, for benchmarks that set it beside the chosen one. Moves to the
+        CPU alone take no more VRAM than `plan`; the caller checks a move to the GPU against its budget
+        (`vram.total`). A layer whose attention moves to the CPU
         keeps its KV cache in host memory (the GPU-resident KV prefix ends before it); one whose attention
         moves to the GPU keeps its KV where it was (in host memory past the prefix: copied in each step)."""
         from fnmatch import fnmatchcase
