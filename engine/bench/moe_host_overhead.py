@@ -39,10 +39,13 @@ from engine.bench.gpu_common import write_report
 PROMPT = "x" * 16
 COMPONENT_ORDER = ("router", "router norm+matmul", "state transfer", "experts: torch ops", "experts: native glue",
                    "kernel call (python)", "native kernel", "add expert outputs", "finish", "executor MoE glue",
-                   "weights lookup", "move", "wait for the GPU", "between_sublayers hook", "attention", "embed",
-                   "head", "loop + step setup")
+                   "MoE layer on the CPU (one call)", "weights lookup", "move", "wait for the GPU",
+                   "between_sublayers hook", "attention", "attention from the host: glue",
+                   "attention from the host: index inputs", "graph: rope buffers", "graph: key",
+                   "graph: run_host (copies)", "graph: replay launch", "embed", "head", "loop + step setup")
 MOE_COMPONENTS = ("router", "router norm+matmul", "state transfer", "experts: torch ops", "experts: native glue",
-                  "kernel call (python)", "add expert outputs", "finish", "executor MoE glue")
+                  "kernel call (python)", "add expert outputs", "finish", "executor MoE glue",
+                  "MoE layer on the CPU (one call)")
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
@@ -106,7 +109,7 @@ def static_plan(eng):
     eng.set_vram_budget(eng.budget)
 
 
-def open_engine(layers: int, device: str, budget: str):
+def open_engine(layers: int, device: str, budget: str, plan: str = "static"):
     from engine.backends.torch_engine import TorchEngine
     from engine.bench.shapes import get_shape
     from engine.loading.random_init import random_model
@@ -116,7 +119,8 @@ def open_engine(layers: int, device: str, budget: str):
     eng = TorchEngine(loaded, device=device, vram_budget=None if device == "cpu" else budget, n_ctx=512,
                       speculative=False, tiers=(1, 16))
     del loaded
-    static_plan(eng)
+    if plan == "static":
+        static_plan(eng)
     return eng
 
 
@@ -164,7 +168,13 @@ def timed_pass(eng, steps: int, clock) -> tuple[dict, list[int]]:
              (ex, "_weights", "weights lookup"), (ex, "_move", "move"), (ex, "_wait_gpu", "wait for the GPU"),
              (eng.accel, "wait_event_host", "wait for the GPU"), (ex, "_attention", "attention"),
              (ex, "_head", "head"), (dense, "embed_tokens", "embed"),
-             (ex, "between_sublayers", "between_sublayers hook")]
+             (ex, "between_sublayers", "between_sublayers hook"),
+             (ex, "_moe_layer_on_cpu", "MoE layer on the CPU (one call)"),
+             (ex, "_attention_from_host", "attention from the host: glue"),
+             (ex, "_captured_inputs", "attention from the host: index inputs"),
+             (ex.graphs, "rope", "graph: rope buffers"), (ex.graphs, "_key", "graph: key"),
+             (ex.graphs, "run_host", "graph: run_host (copies)"),
+             (torch.cuda.CUDAGraph, "replay", "graph: replay launch")]
     for owner, attr, label in table:
         if owner is not None and getattr(owner, attr, None) is not None:
             probes.wrap(owner, attr, label)
@@ -325,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=3, help="layers of the Qwen3-30B-A3B shape (full width)")
     ap.add_argument("--device", default="sim", help="sim, cpu or cuda")
     ap.add_argument("--budget", default="8GiB")
+    ap.add_argument("--plan", choices=("static", "planner"), default="static",
+                    help="static: attention, routers and head resident, experts on the CPU; planner: the "
+                         "planner's own plan at the budget (at small budgets whole MoE layers on the CPU as one "
+                         "call, and the GPU attention between them run from the host)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed")
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                     help="wall (perf_counter), or thread: this thread's CPU time (steadier on a busy machine; the "
@@ -337,10 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m engine.bench.moe_host_overhead"] + (argv if argv is not None else sys.argv[1:]))
     from engine import kernels
 
-    eng = open_engine(args.layers, args.device, args.budget)
+    eng = open_engine(args.layers, args.device, args.budget, args.plan)
     try:
         kernels._load()
-        res = {"device": args.device, "layers": args.layers, "cpu_matmul": kernels.status(wait=True),
+        res = {"device": args.device, "layers": args.layers, "plan_source": args.plan, "cpu_matmul": kernels.status(wait=True),
                "threads": torch.get_num_threads(), "plan": eng.plan_report()["tiers"][0]["plan"]}
         clock = CLOCKS[args.clock]
         decode(eng, 4)                                # warm-up

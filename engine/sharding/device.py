@@ -167,17 +167,19 @@ class CopyHandle:
 
 
 def expandable_segments() -> bool:
-    """With SLIPSTREAM_EXPANDABLE_SEGMENTS=1, let PyTorch's CUDA allocator grow one mapped segment in 2 MiB
-    pages instead of keeping fixed segments (unless the user configured the allocator:
-    PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF). Under the allocator's cap (`Accelerator.cap_allocator`),
-    fixed segments fragment as forced placements move weights in and out: on the H200 a switch to a moved plan
-    at an unchanged 2 GiB budget (the MoE shape's head made resident) failed to place 38 MiB with 186 MiB
-    reserved and unused beside 956 MiB live, and cached blocks given back did not help (session 21, call X;
-    session 20's decode tiers planned apart ran out the same way); with expandable segments the same switch
-    went through (call Y, where the CUDA engine tests passed with it). Off by default until a budget drop
-    has been timed with it: giving memory back then unmaps it page by page, and the game's VRAM must be back
-    within a quarter second. Call before the first CUDA allocation; True when set here."""
-    if (os.environ.get("SLIPSTREAM_EXPANDABLE_SEGMENTS", "0") != "1"
+    """Let PyTorch's CUDA allocator grow one mapped segment in 2 MiB pages instead of keeping fixed segments:
+    on unless SLIPSTREAM_EXPANDABLE_SEGMENTS is 0 (or off, false, no), and left alone where the user
+    configured the allocator (PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF). Under the allocator's cap
+    (`Accelerator.cap_allocator`), fixed segments fragment as forced placements move weights in and out: on
+    the H200 a switch to a moved plan at an unchanged 2 GiB budget (the MoE shape's head made resident) failed
+    to place 38 MiB with 186 MiB reserved and unused beside 956 MiB live, and cached blocks given back did not
+    help (session 21, call X; session 20's decode tiers planned apart ran out the same way); with expandable
+    segments the same switch went through (call Y, where the CUDA engine tests passed with it). Giving memory
+    back then unmaps it page by page; the issue-3 drop (Llama-3-8B shape, 8 -> 2 GiB mid-generation) still
+    reached 90% in NVML 45 ms after the call (64 ms with fixed segments, one process each; session 22, call
+    AD), well within the quarter second a game is owed. Call before the first CUDA allocation; True when set
+    here."""
+    if (os.environ.get("SLIPSTREAM_EXPANDABLE_SEGMENTS", "1").lower() in ("0", "off", "false", "no")
             or "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ):
         return False
     setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
@@ -197,6 +199,7 @@ class Accelerator:
         self.device = torch.device("cuda", index) if kind == "cuda" else torch.device("cpu")
         self.expandable_segments = kind == "cuda" and expandable_segments()   # (before the first allocation)
         self.budget = 0
+        self.capped = False           # whether this accelerator set the allocator's process-wide cap
         self.used = {t: 0 for t in TAGS}
         self.peak = 0
         self._lock = threading.Lock()
@@ -264,7 +267,15 @@ class Accelerator:
         total = torch.cuda.get_device_properties(self.device).total_memory
         fraction = min(1.0, max(budget - self.overhead - self.lazy_room(), 0) / total)
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        self.capped = True
         return fraction
+
+    def lift_allocator_cap(self) -> None:
+        """Give the process its whole card back (the cap is process-wide, so an engine closed and another
+        opened in the same process, or weights made on the GPU after it, would otherwise stay under it)."""
+        if self.capped:
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            self.capped = False
 
     @property
     def total_used(self) -> int:
@@ -386,5 +397,6 @@ class Accelerator:
             self._pool.submit(lambda: None).result()
 
     def close(self) -> None:
+        self.lift_allocator_cap()
         if self._pool is not None:
             self._pool.shutdown(wait=True)

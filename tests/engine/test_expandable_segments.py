@@ -1,6 +1,6 @@
-"""The CUDA allocator's expandable segments: set before the engine's first allocation with
-SLIPSTREAM_EXPANDABLE_SEGMENTS=1, left alone by default and when the user configured the allocator (the
-setting itself only acts on CUDA; here the setter is recorded)."""
+"""The CUDA allocator's expandable segments: set before the engine's first allocation by default, left alone
+with SLIPSTREAM_EXPANDABLE_SEGMENTS=0 and when the user configured the allocator (the setting itself only acts
+on CUDA; here the setter is recorded)."""
 
 from __future__ import annotations
 
@@ -17,17 +17,20 @@ def _recording(monkeypatch) -> list[str]:
     return calls
 
 
-def test_expandable_segments_are_off_by_default_and_set_when_asked(monkeypatch):
+def test_expandable_segments_are_on_by_default_and_off_when_asked(monkeypatch):
     calls = _recording(monkeypatch)
-    assert device.expandable_segments() is False and calls == []
-    monkeypatch.setenv("SLIPSTREAM_EXPANDABLE_SEGMENTS", "1")
     assert device.expandable_segments() is True
     assert calls == ["expandable_segments:True"]
+    for off in ("0", "off", "False"):
+        monkeypatch.setenv("SLIPSTREAM_EXPANDABLE_SEGMENTS", off)
+        assert device.expandable_segments() is False
+    assert calls == ["expandable_segments:True"]
+    monkeypatch.setenv("SLIPSTREAM_EXPANDABLE_SEGMENTS", "1")
+    assert device.expandable_segments() is True
 
 
 def test_a_users_allocator_setting_wins(monkeypatch):
     calls = _recording(monkeypatch)
-    monkeypatch.setenv("SLIPSTREAM_EXPANDABLE_SEGMENTS", "1")
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     assert device.expandable_segments() is False
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
@@ -38,6 +41,5 @@ def test_a_users_allocator_setting_wins(monkeypatch):
 
 def test_the_sim_accelerator_reports_no_expandable_segments(monkeypatch):
     calls = _recording(monkeypatch)
-    monkeypatch.setenv("SLIPSTREAM_EXPANDABLE_SEGMENTS", "1")
     accel = device.Accelerator("sim")
     assert accel.expandable_segments is False and calls == []

@@ -37,6 +37,26 @@ def test_allocator_cannot_grow_past_the_budget(monkeypatch):
         torch.cuda.empty_cache()
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="the allocator cap is a CUDA allocator setting")
+def test_closing_the_accelerator_lifts_its_cap(monkeypatch):
+    """The cap is process-wide: a benchmark that closes an engine and opens another (or makes weights on the
+    GPU) after it must not stay under the first engine's last budget."""
+    monkeypatch.setenv("SLIPSTREAM_VRAM_OVERHEAD", str(64 * MiB))
+    accel = Accelerator("cuda")
+    torch.cuda.empty_cache()
+    try:
+        accel.cap_allocator(64 * MiB + 256 * MiB)
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+        accel.close()
+        x = torch.empty(512 * MiB, dtype=torch.uint8, device="cuda")
+        assert x.numel() == 512 * MiB and not accel.capped
+        del x
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="NVML's per-process figure on the GPU machine")
 def test_overhead_follows_what_nvml_shows_beyond_the_allocator(monkeypatch):
     """Kernels load lazily and take device memory outside the allocator: a budget change re-reads it."""
@@ -169,7 +189,7 @@ def test_the_cap_keeps_room_for_kernels_still_to_load(monkeypatch):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the allocator cap is a CUDA allocator setting")
 def test_a_freed_segment_partly_reused_does_not_block_a_large_buffer_under_the_cap(monkeypatch):
-    """With expandable segments (SLIPSTREAM_EXPANDABLE_SEGMENTS=1, `device.expandable_segments`), a large buffer freed,
+    """With expandable segments (on by default, `device.expandable_segments`), a large buffer freed,
     a small one placed where it was and a large one asked for again fit a cap that holds both live buffers:
     with fixed segments the small buffer pins the freed segment and the new one needs a segment beside it
     (session 21, call X: a re-plan ran out this way at an unchanged budget)."""
