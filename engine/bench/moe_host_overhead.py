@@ -2,10 +2,13 @@
 
     python -m engine.bench.moe_host_overhead --layers 3                  # sim: any machine, ~10 GB RAM
     python -m engine.bench.moe_host_overhead --layers 3 --device cuda    # the GPU machine
+    python -m engine.bench.moe_host_overhead --layers 24 --device cuda --plan planner --budget 2GiB --n-ctx 4096
 
 The Qwen3-30B-A3B shape at full width with `--layers` layers (random bf16 weights), under the static
 plan the GPU machine runs: attention, routers and head resident, embedding and every routed expert group
-on the CPU. Greedy decode of `--steps` tokens after a short prompt, after a warm-up. Two passes:
+on the CPU (`--plan planner`: the planner's own plan at `--budget` instead, where whole MoE layers run on
+the CPU as one call and the GPU attentions between them from the host; its probes cover that path's pieces
+too). Greedy decode of `--steps` tokens after a short prompt, after a warm-up. Two passes:
 
 1. Timed: perf_counter probes around the functions of the MoE path (router, expert blocks, their native
    glue, the native kernel call itself, adding expert outputs, the state's transfers, the executor's
@@ -109,14 +112,14 @@ def static_plan(eng):
     eng.set_vram_budget(eng.budget)
 
 
-def open_engine(layers: int, device: str, budget: str, plan: str = "static"):
+def open_engine(layers: int, device: str, budget: str, plan: str = "static", n_ctx: int = 512):
     from engine.backends.torch_engine import TorchEngine
     from engine.bench.shapes import get_shape
     from engine.loading.random_init import random_model
 
     cfg = dataclasses.replace(get_shape("qwen3-30b-a3b"), num_layers=layers)
     loaded = random_model(cfg, seed=0, name=f"qwen3-30b-a3b-{layers}l")
-    eng = TorchEngine(loaded, device=device, vram_budget=None if device == "cpu" else budget, n_ctx=512,
+    eng = TorchEngine(loaded, device=device, vram_budget=None if device == "cpu" else budget, n_ctx=n_ctx,
                       speculative=False, tiers=(1, 16))
     del loaded
     if plan == "static":
@@ -340,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                          "planner's own plan at the budget (at small budgets whole MoE layers on the CPU as one "
                          "call, and the GPU attention between them run from the host)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed")
+    ap.add_argument("--n-ctx", type=int, default=512, help="the engine's context (its KV cache takes VRAM the "
+                    "planner could give weights: at 2 GiB, 512 puts 18 of 24 attentions on the CPU, 4096 none)")
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                     help="wall (perf_counter), or thread: this thread's CPU time (steadier on a busy machine; the "
                          "kernel's worker threads are not counted)")
@@ -351,17 +356,21 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m engine.bench.moe_host_overhead"] + (argv if argv is not None else sys.argv[1:]))
     from engine import kernels
 
-    eng = open_engine(args.layers, args.device, args.budget, args.plan)
+    eng = open_engine(args.layers, args.device, args.budget, args.plan, args.n_ctx)
     try:
         kernels._load()
-        res = {"device": args.device, "layers": args.layers, "plan_source": args.plan, "cpu_matmul": kernels.status(wait=True),
-               "threads": torch.get_num_threads(), "plan": eng.plan_report()["tiers"][0]["plan"]}
+        tier = eng.plan_report()["tiers"][0]
+        res = {"device": args.device, "layers": args.layers, "plan_source": args.plan, "n_ctx": args.n_ctx,
+               "cpu_matmul": kernels.status(wait=True), "threads": torch.get_num_threads(), "plan": tier["plan"],
+               "placement": tier.get("placement")}
         clock = CLOCKS[args.clock]
         decode(eng, 4)                                # warm-up
         res["clock"] = args.clock
         plain = plain_pass(eng, args.steps, clock)
         res["plain_step_ms"], res["plain_steps"] = statistics.median(plain) * 1e3, len(plain)
         res["timed"], tokens = timed_pass(eng, args.steps, clock)
+        if eng.executor.graphs is not None:
+            res["graphs"] = eng.executor.graphs.stats()
         res["greedy_tokens"] = tokens
         res["experts_alone"] = experts_alone(eng, args.reps, clock)
         if not args.no_profile:
