@@ -52,6 +52,12 @@ def run_app(argv: list[str] | None = None) -> int:
     import gc
 
     args = parse_args(argv)
+    from app.platform_check import platform_problem
+
+    problem = platform_problem()
+    if problem is not None:          # (Qt would abort the process without naming what is missing)
+        print(problem, file=sys.stderr)
+        return 2
     from PySide6.QtWidgets import QApplication
 
     from app import APP_NAME

@@ -37,6 +37,22 @@ fi
 
 case "$what" in
   app)
+    # Qt's X11 plugin links system libraries a fresh Debian/Ubuntu may lack (libxcb-cursor0, ...): install
+    # them where this may (root, or sudo without a password), else name them and stop.
+    xcb=""
+    case "${QT_QPA_PLATFORM:-xcb}" in xcb*) [ -z "${WAYLAND_DISPLAY:-}" ] && xcb=1 ;; esac
+    [ -z "${DISPLAY:-}" ] && ! command -v xvfb-run >/dev/null && xcb=""
+    if [ -n "$xcb" ] && [ "$(uname)" = Linux ] && command -v apt-get >/dev/null; then
+      need="$("$V" -m app.platform_check)"
+      if [ -n "$need" ]; then
+        sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo -n"
+        echo "Slipstream: installing the display's system libraries: $need" >&2
+        if ! { $sudo apt-get install -y -q $need >/dev/null || { $sudo apt-get update -q >/dev/null &&
+               $sudo apt-get install -y -q $need >/dev/null; }; }; then
+          echo "Slipstream: could not install them; run: sudo apt-get install $need" >&2; exit 1
+        fi
+      fi
+    fi
     if [ -z "${DISPLAY:-}${WAYLAND_DISPLAY:-}" ] && [ "$(uname)" = Linux ]; then
       if command -v xvfb-run >/dev/null; then exec xvfb-run -a "$V" -m app --show-chat "$@"; fi
       echo "Slipstream: no display found; running offscreen (set DISPLAY to see the window)" >&2
