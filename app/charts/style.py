@@ -32,6 +32,8 @@ def make_plot(title: str, left: str) -> pg.PlotWidget:
     w.setTitle(f"<span style='color:{theme.TEXT}'>{title}</span>", size="9pt")
     w.setLabel("left", left)
     w.setLabel("bottom", "seconds ago")
+    for side in ("left", "bottom"):    # (values under one, e.g. a single plan tier, would read "(x0.001)")
+        w.getAxis(side).enableAutoSIPrefix(False)
     w.showGrid(x=True, y=True, alpha=0.15)
     w.setMenuEnabled(False)
     w.setMouseEnabled(x=False, y=False)

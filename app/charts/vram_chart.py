@@ -61,13 +61,15 @@ class VramChart:
         games = own + np.nan_to_num(rows[:, _GAMES])
         others = games + np.nan_to_num(rows[:, _OTHERS])
         budget, total = rows[:, _BUDGET], rows[:, _TOTAL]
-        peak = float(np.nanmax(np.concatenate([others, np.nan_to_num(total), [1.0]])))
+        peak = float(np.nanmax(np.concatenate([others, np.nan_to_num(total), [float(1 << 20)]])))
         if not np.isfinite(total).any():
-            # No GPU total to scale to: show the budget unless it is far off the scale (a notional one).
-            finite = budget[np.isfinite(budget)]
-            on_scale = finite[finite <= max(peak * 4, 1 << 20)]
-            peak = max([peak, *on_scale.tolist()])
-            budget = np.minimum(budget, peak * 1.05)
+            # No GPU total to scale to: show the budget unless it is far off the scale (a notional one, or
+            # an engine holding no VRAM at all, as llama.cpp on the CPU): then no budget line, rather than
+            # one drawn where the budget is not.
+            scale = max(peak * 4, 1 << 20) if np.nanmax(others) > 0 else 0
+            on_scale = np.isfinite(budget) & (budget <= scale)
+            peak = max([peak, *budget[on_scale].tolist()])
+            budget = np.where(on_scale, budget, np.nan)
         div, unit = byte_unit(peak)
         if unit != self._unit:
             self._unit = unit

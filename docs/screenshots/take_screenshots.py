@@ -1,12 +1,16 @@
 """Drive the real app (bundled SmolLM2-135M, engine on the simulated accelerator) and save screenshots:
-the chat window mid-answer, the budget panel and charts after budget changes, and the tray menu.
+the chat window mid-answer, the budget panel and charts after budget changes, and the tray menu; then the
+app as a first run opens it (device and backend on auto: llama.cpp on a machine without a GPU) after one
+answer.
 
 Run under an X server with a system tray (see take_screenshots.sh); writes PNGs next to this file.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,6 +88,19 @@ def main() -> int:
     pause(0.8)
     screen.grabWindow(0, 980, 0, 620, 330).save(str(HERE / "tray-menu.png"))
     ctl.quit()
+
+    for var in ("SLIPSTREAM_DATA_DIR", "SLIPSTREAM_CONFIG_DIR"):  # a first run: no settings, no conversations
+        os.environ[var] = tempfile.mkdtemp()
+    first = AppController(LaunchOptions(show_chat=True))          # what `installers/dev.sh app` opens
+    first.window.setGeometry(10, 40, 1580, 940)
+    first.start()
+    wait_until(lambda: first.worker.state == "loaded", 300, "the default backend to load the model")
+    pause(1)
+    ask(first, "Name three uses of a GPU besides games.")
+    wait_until(lambda: not first.session.generating, 120, "the first run's answer")
+    pause(2.5)
+    first.window.grab().save(str(HERE / "first-run-default.png"))
+    first.quit()
     return 0
 
 

@@ -4,7 +4,10 @@ the protocol's line decoder and version, the single-instance guard."""
 from __future__ import annotations
 
 import json
+import re
 import time
+
+import numpy as np
 
 from app.budget import BudgetController
 from app.charts.ring_buffer import RingBuffer
@@ -117,3 +120,47 @@ def test_single_instance(qtbot):
         assert second.notify_running("show-chat")
     assert got.args == ["show-chat"]
     first.close()
+
+
+def test_chart_axes_keep_their_own_units_at_small_values(qtbot):
+    """A single plan tier (the llama.cpp backend plans one) spans less than one unit, as does a decode under
+    one token a second: the axes label the values as they are, with no "(x0.001)" scale beside the name."""
+    from app.charts.plan_chart import PlanChart
+    from app.charts.speed_chart import SpeedChart
+
+    t = time.time()
+    plan = PlanChart()
+    plan.sample(t, {"tiers": [{"tokens": 1, "plan": "static", "placement": {"a": "cpu"}}]})
+    plan.redraw(t + 1)
+    speed = SpeedChart()
+    for i in range(5):
+        speed.add(t + i, 0.3 + 0.01 * i)
+    speed.redraw(t + 5)
+    for chart, name in ((plan, "tier"), (speed, "tokens/s")):
+        qtbot.addWidget(chart.widget)
+        axis = chart.widget.getAxis("left")
+        axis.updateAutoSIPrefix()
+        text = re.sub(r"<[^>]+>", "", axis.labelString()).strip()
+        assert text == name, axis.labelString()
+
+
+def test_the_vram_chart_draws_the_budget_only_where_it_is(qtbot):
+    """Without a GPU total to scale to, a budget on the chart's scale is drawn where it is; one off the scale
+    (an engine holding no VRAM, as llama.cpp on the CPU under a 600 MiB cap) is not drawn at all, rather
+    than clipped onto the data as if it were there."""
+    from app.charts.vram_chart import VramChart
+
+    mib, t = 1 << 20, time.time()
+    nan = float("nan")
+    for own, budget, drawn in ((800 * mib, 637 * mib, 637.0), (0.0, 600 * mib, None)):
+        chart = VramChart()
+        qtbot.addWidget(chart.widget)
+        for i in range(4):
+            chart.add(t + i, own, nan, nan, budget, nan)
+        chart.redraw(t + 4)
+        ys = chart._budget.getData()[1]
+        assert re.sub(r"<[^>]+>", "", chart.widget.getAxis("left").labelString()).strip() == "MiB"
+        if drawn is None:
+            assert ys is None or not np.isfinite(ys).any()
+        else:
+            assert np.allclose(ys, drawn)
