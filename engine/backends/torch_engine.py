@@ -152,7 +152,11 @@ class TorchEngine(Engine):
 
         kernels.prepare_async()                     # the native CPU matmul builds while weights are packed
         report(0.6, "packing weights into host memory")
-        self.executor = Executor(cfg, loaded.weights, self.accel, self.dtype, kv_fp8=kv_dtype == "fp8")
+        self.transfer_code = self._transfer_code_wanted()
+        self.executor = Executor(cfg, loaded.weights, self.accel, self.dtype, kv_fp8=kv_dtype == "fp8",
+                                 transfer_code=self.transfer_code)
+        store = self.executor.store
+        self.spec = self.spec.with_transfer(store.transfer_bytes(), store.stage_bytes)
         self._set_host_kv(host_kv_gib)
         if self.vision is not None:
             from engine.models.vision import MRotaryTable
@@ -560,11 +564,39 @@ class TorchEngine(Engine):
         if self.executor is None:
             raise BadInputError(f"{Path(self.source).name}: the model was closed")
 
+    def _transfer_code_wanted(self) -> bool:
+        """Whether streamed bf16 sub-layers move transfer-coded (`engine.sharding.transfer_code`): lossless,
+        25% fewer bytes over PCIe, for a coded copy in host memory of 75% of the weights' bytes.
+        `SLIPSTREAM_TRANSFER_CODE=1`/`0` decides; by default on where the GPU decodes in one fused kernel
+        (Triton; always on "sim") and the host has room for the copy beside a reserve for everything else
+        (a quarter of its memory, at least 4 GiB)."""
+        from engine.sharding import transfer_code
+
+        if self.accel is None or self.dtype != torch.bfloat16:
+            return False
+        if self.accel.kind == "cuda" and not transfer_code.triton_available():
+            return False
+        forced = transfer_code.enabled_by_env()
+        if forced is not None:
+            return forced
+        try:
+            import psutil
+        except ImportError:
+            return False
+        mem = psutil.virtual_memory()
+        need = 0.76 * self.spec.total_weight_bytes
+        return mem.available - need >= max(mem.total // 4, 4 << 30)
+
     def stats(self) -> dict:
         s = super().stats()
         if self.executor is None:
             return s
         kv = self.executor.kv
+        coded = self.executor.store.coded
+        s.update(transfer_coded_sublayers=len(coded),
+                 transfer_coded_ratio=(round(sum(c.nbytes for c in coded.values())
+                                             / max(sum(c.raw_bytes for c in coded.values()), 1), 4)
+                                       if coded else None))
         s.update(budget=self.budget, plan=self.executor.plan.kind if self.executor.plan else None,
                  streamed_bytes=self.executor.copied_bytes, replans=len(self.replans),
                  spec_proposed=self.spec_stats["proposed"], spec_accepted=self.spec_stats["accepted"],

@@ -12,7 +12,10 @@ From PIPELINED_SHARDING.md, with the profile's measured rates:
   2T), FLOPs / GPU FLOP/s); tokens/s = T / t. (Before session 8 experts were priced as dense weights on
   the CPU, which put the MoE shape's 512-token bound below llama.cpp's measured rate.)
 BW_cpu and BW_pcie are the rates measured *together* (`cpu_gemv_with_copy_gbps`, `h2d_with_cpu_gbps`);
-the bound with the rates measured alone is reported beside it.
+the bound with the rates measured alone is reported beside it. So is the bound with transfer coding
+(`engine.sharding.transfer_code`, the `*_coded` fields): PCIe then carries `coded_fraction` of each streamed
+weight's bytes, so it delivers BW_pcie / coded_fraction of weights; a run that streams coded weights can
+pass the plain bound, not this one.
 """
 
 from __future__ import annotations
@@ -75,18 +78,25 @@ def shape_bytes(shape: GgufShape, dtype_bytes: int = 2) -> ShapeBytes:
     return ShapeBytes(always, experts, frac, kv, int(2 * active / dtype_bytes), attn_flops)
 
 
-def decode_bound_tps(sb: ShapeBytes, budget: int, rates: Rates, ctx: int = 4096, alone: bool = False) -> float:
+CODED_FRACTION = 0.753     # bytes over PCIe per weight byte with transfer coding (bf16 at a trained or
+                           # random model's spread; measured on the suite's weights: 0.7529, session 23 call BC)
+
+
+def decode_bound_tps(sb: ShapeBytes, budget: int, rates: Rates, ctx: int = 4096, alone: bool = False,
+                     coded_fraction: float = 1.0) -> float:
     room = max(0, budget - sb.kv_per_token * ctx)
     res_always = min(sb.always, room)
     res_experts = min(sb.experts, room - res_always)
     read_res = res_always + sb.active_fraction * res_experts
     read_off = (sb.always - res_always) + sb.active_fraction * (sb.experts - res_experts)
-    bw = (rates.cpu_alone_gbps + rates.pcie_alone_gbps) if alone else (rates.cpu_gbps + rates.pcie_gbps)
+    bw = (rates.cpu_alone_gbps + rates.pcie_alone_gbps / coded_fraction) if alone else \
+        (rates.cpu_gbps + rates.pcie_gbps / coded_fraction)
     t = read_off / (bw * 1e9) + read_res / (rates.hbm_gbps * 1e9)
     return 1.0 / t if t > 0 else float("inf")
 
 
-def prefill_bound_tps(sb: ShapeBytes, budget: int, rates: Rates, tokens: int, alone: bool = False) -> float:
+def prefill_bound_tps(sb: ShapeBytes, budget: int, rates: Rates, tokens: int, alone: bool = False,
+                      coded_fraction: float = 1.0) -> float:
     """Every byte off the GPU crosses PCIe once or is computed on the CPU, both at once. The budget keeps
     the bytes every token reads first (on the CPU they cost 2T FLOPs each), then experts; the CPU takes
     experts first, as a token uses only `active_fraction` of them (2T x that fraction FLOPs per weight:
@@ -95,7 +105,7 @@ def prefill_bound_tps(sb: ShapeBytes, budget: int, rates: Rates, tokens: int, al
     res_always = min(sb.always, room)
     off_always = sb.always - res_always
     off_experts = max(0, sb.experts - (room - res_always))
-    pcie = (rates.pcie_alone_gbps if alone else rates.pcie_gbps) * 1e9
+    pcie = (rates.pcie_alone_gbps if alone else rates.pcie_gbps) * 1e9 / coded_fraction
     cpu_always = rates.cpu_tflops * 1e12 * 2 / (2 * tokens)            # bytes/s: 16-bit weights, 2T FLOPs each
     cpu_experts = cpu_always / sb.active_fraction if sb.experts else 0.0
 
@@ -121,10 +131,13 @@ def bound_row(model: str, shape: GgufShape, budget_name: str, budget: int, rates
            "peak_vram_bytes": budget, "command": "engine.bench.bound (computed from the profile)",
            "decode_tps": decode_bound_tps(sb, budget, rates),
            "decode_tps_rates_alone": decode_bound_tps(sb, budget, rates, alone=True),
+           "decode_tps_coded": decode_bound_tps(sb, budget, rates, coded_fraction=CODED_FRACTION),
+           "coded_fraction": CODED_FRACTION,
            "model_bytes": sb.total,
            "note": "physical bound, not a run: the budget holds weights after the KV cache; "
                    f"CPU {rates.cpu_gbps:.0f} + PCIe {rates.pcie_gbps:.0f} GB/s together" + profile_note}
     for p in prompts:
         row[f"prefill{p}_tps"] = prefill_bound_tps(sb, budget, rates, p)
         row[f"prefill{p}_tps_rates_alone"] = prefill_bound_tps(sb, budget, rates, p, alone=True)
+        row[f"prefill{p}_tps_coded"] = prefill_bound_tps(sb, budget, rates, p, coded_fraction=CODED_FRACTION)
     return row

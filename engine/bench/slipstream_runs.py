@@ -233,6 +233,7 @@ def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int
                        "plan_refines": m.get("plan_refines"), "plan_refine_s": m.get("plan_refine_s"),
                        "prefill_prefix_hit_tokens": m.get("prefill_prefix_hit_tokens"),
                        "cuda_graphs": {k: v for k, v in eng.stats().items() if k.startswith("cuda_graph")},
+                       "transfer_coding": {k: v for k, v in eng.stats().items() if k.startswith("transfer_coded")},
                        "decode_batch_note": f"{BATCH_NEW_TOKENS} new tokens per stream after a {DECODE_PROMPT}-token "
                                             "prompt, all submitted at once: aggregate tokens/s from the moment "
                                             "every stream has its first token to the last token (as "

@@ -191,6 +191,11 @@ def _load():
                                      ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_int64, ctypes.c_void_p]
         lib.sl_ffn_layer.restype = ctypes.c_int
+        lib.sl_bf16_code.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                     ctypes.c_int]
+        lib.sl_bf16_code.restype = ctypes.c_int64
+        lib.sl_bf16_escapes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+        lib.sl_bf16_escapes.restype = ctypes.c_int64
         lib.sl_phase_timing.argtypes = [ctypes.c_int]
         lib.sl_phase_timing.restype = None
         lib.sl_phase_read.argtypes = [ctypes.c_void_p]
@@ -765,6 +770,37 @@ def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero
     o = out.data_ptr()
     return lib.sl_weighted_sum(_DTYPES[dtype], o, None if from_zero else o, y.data_ptr(), wt.data_ptr(),
                                y.shape[0], y.shape[1]) == 0
+
+
+def bf16_code(words: torch.Tensor, base: int, lo: torch.Tensor, nib: torch.Tensor) -> int | None:
+    """Transfer coding's encoder (`engine.sharding.transfer_code`) in one native call over the pool: the low
+    bytes of `words` (int16 [W], contiguous, on the CPU) into `lo` (uint8 [W]) and their 4-bit codes against
+    `base` into `nib` (uint8 [ceil(W/2)]); returns the number of escapes, or None where the library is not
+    there (the caller codes with tensor operations)."""
+    if not (words.is_cpu and lo.is_cpu and nib.is_cpu and words.is_contiguous() and lo.is_contiguous()
+            and nib.is_contiguous()) or lo.numel() != words.numel() or nib.numel() != (words.numel() + 1) // 2:
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    _sync_threads(lib)
+    pooled = _busy.acquire(blocking=False)
+    try:
+        n = lib.sl_bf16_code(words.data_ptr(), words.numel(), int(base), lo.data_ptr(), nib.data_ptr(), int(pooled))
+    finally:
+        if pooled:
+            _busy.release()
+    return None if n < 0 else int(n)
+
+
+def bf16_escapes(words: torch.Tensor, base: int, k: int) -> torch.Tensor | None:
+    """The word positions (int32 [k]) that `bf16_code` coded as escapes; None without the library."""
+    lib = _load()
+    if lib is None:
+        return None
+    pos = torch.empty(k, dtype=torch.int32)
+    got = lib.sl_bf16_escapes(words.data_ptr(), words.numel(), int(base), pos.data_ptr(), k)
+    return pos if got == k else None
 
 
 def scatter_add(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> bool:

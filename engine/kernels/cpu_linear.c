@@ -1706,3 +1706,60 @@ int sl_pool_test(int threads, int jobs, int big, int worker_stall_us, int post_s
     return errors + atomic_load(&bad);
 }
 #endif
+
+/* ---- transfer coding (engine/sharding/transfer_code.py) ----------------------------------------------
+ * A chunk of bf16 words -> its low bytes and 4-bit codes (bit 3 the sign, bits 0-2 the offset of the
+ * exponent's top seven bits from `base`, 7 an escape), two codes a byte (word 2i low, 2i+1 high). Cut in
+ * blocks over the pool; each block counts its escapes (`esc`, one per block). */
+#define CODE_BLOCK (1 << 20)          /* words a block: even, so a block's codes fill whole bytes */
+
+typedef struct {
+    const uint16_t *w;
+    int64_t n;
+    int base;
+    uint8_t *lo, *nib;
+    int64_t *esc;
+} code_job;
+
+static inline unsigned code_of(uint16_t w, int base) {
+    int d = (int)((w >> 8) & 0x7F) - base;
+    unsigned off = (d >= 0 && d <= 6) ? (unsigned)d : 7u;
+    return off | ((w >> 12) & 8u);
+}
+
+static void code_block(const void *arg, int64_t c) {
+    const code_job *j = (const code_job *)arg;
+    int64_t a = c * CODE_BLOCK, b = a + CODE_BLOCK < j->n ? a + CODE_BLOCK : j->n, e = 0;
+    for (int64_t i = a; i < b; i += 2) {
+        uint16_t w0 = j->w[i], w1 = i + 1 < b ? j->w[i + 1] : 0;
+        unsigned c0 = code_of(w0, j->base), c1 = i + 1 < b ? code_of(w1, j->base) : 0;
+        j->lo[i] = (uint8_t)w0;
+        if (i + 1 < b) j->lo[i + 1] = (uint8_t)w1;
+        j->nib[i / 2] = (uint8_t)(c0 | (c1 << 4));
+        e += (c0 & 7) == 7;
+        e += i + 1 < b && (c1 & 7) == 7;
+    }
+    j->esc[c] = e;
+}
+
+/* Codes n words; returns the escapes, or -1. `pooled`: the caller holds the pool. */
+int64_t sl_bf16_code(const uint16_t *w, int64_t n, int base, uint8_t *lo, uint8_t *nib, int pooled) {
+    if (n < 0 || base < 0 || base > 127) return -1;
+    int64_t blocks = (n + CODE_BLOCK - 1) / CODE_BLOCK, total = 0;
+    int64_t *esc = (int64_t *)calloc(blocks ? blocks : 1, sizeof(int64_t));
+    if (!esc) return -1;
+    code_job j = {w, n, base, lo, nib, esc};
+    if (pooled && pool.n > 1 && blocks > 1) run_pool(code_block, &j, blocks);
+    else for (int64_t c = 0; c < blocks; c++) code_block(&j, c);
+    for (int64_t c = 0; c < blocks; c++) total += esc[c];
+    free(esc);
+    return total;
+}
+
+/* The positions (word indices) of a coded chunk's escapes, in order, at most `cap`; returns how many. */
+int64_t sl_bf16_escapes(const uint16_t *w, int64_t n, int base, int32_t *pos, int64_t cap) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n && k < cap; i++)
+        if ((code_of(w[i], base) & 7) == 7) pos[k++] = (int32_t)i;
+    return k;
+}

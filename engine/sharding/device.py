@@ -211,6 +211,7 @@ class Accelerator:
             # by decode token 40 (95 us at lengths seen before). Flash / memory-efficient kernels need no plan.
             torch.backends.cuda.enable_cudnn_sdp(False)
             self._copy_stream = torch.cuda.Stream(self.device)
+            self._decode_stream = None          # transfer-coded copies' decodes (made on first use)
             self._pool = None
             env = os.environ.get("SLIPSTREAM_VRAM_OVERHEAD")
             if env is not None:
@@ -218,7 +219,7 @@ class Accelerator:
             else:
                 self.overhead, self.overhead_source = _measure_overhead(self.device)
         else:
-            self._copy_stream = None
+            self._copy_stream = self._decode_stream = None
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-copy")
         self.start_overhead = self.overhead
 
@@ -349,6 +350,62 @@ class Accelerator:
             return CopyHandle(self, ev)
         return CopyHandle(self, self._pool.submit(_copy_inference, dst, src))
 
+    def copy_coded(self, dst: torch.Tensor, coded, stages, after=None) -> CopyHandle:
+        """Copy a transfer-coded buffer (`transfer_code.CodedBuffer`) into `dst`, its raw bytes on the device,
+        after the compute event `after`. Raw chunks go straight into `dst`; each coded piece crosses into a
+        buffer of the `stages` ring (once what was decoded from it before is done) and is decoded from
+        there into `dst` on a stream of its own, so the copy engine moves chunk c + 1 while the GPU decodes
+        chunk c. The handle covers both. Host work per piece is a few calls: the views are cut once per
+        (buffer, destination) and the ring's events are reused."""
+        prog = stages.program(coded, dst)
+        if self.kind != "cuda":
+            def run() -> None:
+                with torch.inference_mode():
+                    for _k, src, st, step in prog.steps:
+                        st.copy_(src)
+                        if step is not None:
+                            step()
+            return CopyHandle(self, self._pool.submit(run))
+        cs = self._copy_stream
+        if self._decode_stream is None:
+            self._decode_stream = torch.cuda.Stream(self.device)
+        ds = self._decode_stream
+        arrived, done, used = stages.events()
+        prev = torch.cuda.current_stream(self.device)
+        try:
+            torch.cuda.set_stream(cs)
+            if after is not None:
+                cs.wait_event(after)
+            for k, src, st, step in prog.steps:
+                if k is None:
+                    st.copy_(src, non_blocking=True)
+                    continue
+                if used[k]:
+                    cs.wait_event(done[k])
+                st.copy_(src, non_blocking=True)
+                arrived[k].record(cs)
+                torch.cuda.set_stream(ds)
+                ds.wait_event(arrived[k])
+                step()
+                done[k].record(ds)
+                used[k] = True
+                torch.cuda.set_stream(cs)
+            if prog.any_raw:
+                copied = torch.cuda.Event()
+                copied.record(cs)
+                ds.wait_event(copied)
+            end = torch.cuda.Event()
+            end.record(ds)
+        finally:
+            torch.cuda.set_stream(prev)
+        return CopyHandle(self, end)
+
+    def wait_events(self, events) -> None:
+        """Wait on the host for GPU events (None entries skipped)."""
+        for ev in events:
+            if ev is not None:
+                self.wait_event_host(ev)
+
     def compute_event(self):
         """An event marking the compute issued so far (None on sim, where compute is synchronous)."""
         if self.kind != "cuda":
@@ -393,6 +450,8 @@ class Accelerator:
         if self.kind == "cuda":
             self.wait_queued()
             self._copy_stream.synchronize()
+            if self._decode_stream is not None:
+                self._decode_stream.synchronize()
         else:
             self._pool.submit(lambda: None).result()
 

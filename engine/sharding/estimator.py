@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import MOE_FEW_TOKENS as FEW_TOKENS
-from engine.sharding.memory import sublayer_bytes
+from engine.sharding.memory import sublayer_bytes, transfer_bytes
 from engine.sharding.pipeline import CPU, HKV, RES, STR, Pipeline
 from engine.sharding.plan import Placement
 from engine.sharding.profile import ProfileDatabase
@@ -306,7 +306,7 @@ def copy_costs(spec: ModelSpec, prof: ProfileDatabase) -> tuple[np.ndarray, np.n
     if not prof.has_gpu:
         inf = np.full(len(spec.sublayers), np.inf)
         return inf, inf
-    sizes = sublayer_bytes(spec)
+    sizes = transfer_bytes(spec)          # (a transfer-coded sub-layer moves its coded bytes)
     nb = np.array([sizes[s.name] for s in spec.sublayers], dtype=float)
     return np.array([prof.copy_ms(b) for b in nb]), np.array([prof.copy_ms(b, busy=True) for b in nb])
 

@@ -96,7 +96,7 @@ def _attend_padded(q, keys, values, valid, gqa: bool) -> torch.Tensor:
 
 class Executor:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], accel: Accelerator | None,
-                 dtype: torch.dtype, kv_fp8: bool = False):
+                 dtype: torch.dtype, kv_fp8: bool = False, transfer_code: bool = False):
         self.cfg = cfg
         self.accel = accel
         self.dtype = dtype
@@ -105,7 +105,7 @@ class Executor:
             groups[sub] = {n.split(".", 2)[-1] if n.startswith("layers.") else n: weights[n] for n in names}
         from engine.sharding.weights import WeightStore
 
-        self.store = WeightStore(groups, accel)
+        self.store = WeightStore(groups, accel, transfer_code)
         self.order = list(groups)                   # embed, layers.0.attn, layers.0.ffn, ..., head
         self._next = dict(zip(self.order, self.order[1:]))   # sub-layer -> the one after it
         self.kv = PagedKVCache(cfg, dtype, accel, fp8=kv_fp8)
@@ -279,6 +279,14 @@ class Executor:
             return
         sw = self.store.sublayers[name]
         buf = self.store.slots[slot]
+        coded = self.store.coded.get(name) if experts is None and not skip else None
+        if coded is not None and self.store.stages is not None:   # the coded bytes, decoded on the GPU
+            self.slot_ready[slot] = self.accel.copy_coded(buf, coded, self.store.stages,
+                                                          after=self.slot_free_after[slot])
+            self.copied_bytes += coded.nbytes
+            self.slot_valid[slot] = True
+            self.slot_skip[slot] = 0
+            return
         if experts is None:
             runs = self._share_runs(name, skip) if skip else [(0, sw.nbytes)]
         else:

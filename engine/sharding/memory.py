@@ -97,11 +97,28 @@ def scratch_bytes(spec: ModelSpec, tier: int) -> int:
     return math.ceil((resid + max(layer, head)) * SCRATCH_MARGIN) + workspace
 
 
+def transfer_bytes(spec: ModelSpec) -> dict[str, int]:
+    """Bytes a whole streamed copy of each sub-layer moves over PCIe: its transfer-coded size where it
+    has one, else its packed size."""
+    sizes = dict(sublayer_bytes(spec))
+    sizes.update(spec.transfer)
+    return sizes
+
+
+def stage_ring_bytes(spec: ModelSpec) -> int:
+    """VRAM of transfer coding's staging ring, booked with the slots whenever anything streams."""
+    from engine.sharding.transfer_code import N_STAGES
+
+    return N_STAGES * spec.stage_bytes if spec.transfer else 0
+
+
 def slot_bytes(spec: ModelSpec, placement: dict[str, Placement], n_slots: int) -> int:
-    """VRAM of the streaming slots: min(n_slots, number streamed) x the largest streamed sub-layer."""
+    """VRAM of the streaming slots: min(n_slots, number streamed) x the largest streamed sub-layer (plus the
+    staging ring of coded copies)."""
     sizes = sublayer_bytes(spec)
     streamed = [sizes[n] for n, p in placement.items() if p is Placement.STREAMED]
-    return min(n_slots, len(streamed)) * max(streamed, default=0)
+    n = min(n_slots, len(streamed))
+    return n * max(streamed, default=0) + (stage_ring_bytes(spec) if n else 0)
 
 
 def gpu_attention_layers(spec: ModelSpec, placement: dict[str, Placement]) -> int:

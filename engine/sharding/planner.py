@@ -52,7 +52,13 @@ import numpy as np
 
 from engine.errors import BadInputError, BudgetError
 from engine.sharding.estimator import CPU, HKV, RES, STR, Estimator
-from engine.sharding.memory import kv_cache_bytes, scratch_bytes, sublayer_bytes, vram_breakdown
+from engine.sharding.memory import (
+    kv_cache_bytes,
+    scratch_bytes,
+    stage_ring_bytes,
+    sublayer_bytes,
+    vram_breakdown,
+)
 from engine.sharding.plan import DEFAULT_TIERS, PLAN_KINDS, Placement, Plan, PlanSet
 from engine.sharding.profile import ProfileDatabase
 from engine.sharding.spec import ModelSpec
@@ -174,7 +180,8 @@ class Family:
         sizes = sublayer_bytes(spec)
         nb = np.array([sizes[s.name] for s in subs], dtype=np.int64)
         self.weights = ((self.place == RES) * nb).sum(1)
-        self.slots = np.minimum(n_slots, n_str) * np.where(streams, nb, 0).max(1)
+        self.slots = np.minimum(n_slots, n_str) * np.where(streams, nb, 0).max(1) \
+            + np.where(np.minimum(n_slots, n_str) > 0, stage_ring_bytes(spec), 0)
         self.any_gpu = (self.place != CPU).any(1)
 
     @staticmethod

@@ -62,6 +62,16 @@ class ModelSpec:
     kv_dtype_bytes: int
     sublayers: tuple[SubLayerSpec, ...]
     wide: frozenset[str] = frozenset()   # weights stored in float32 beside 16-bit ones (GGUF norms, routers)
+    # Transfer coding (engine.sharding.transfer_code): the bytes a whole streamed copy of each coded
+    # sub-layer moves, and one staging buffer's bytes (the ring of them is booked with the slots)
+    transfer: tuple[tuple[str, int], ...] = ()
+    stage_bytes: int = 0
+
+    def with_transfer(self, sizes: dict[str, int], stage_bytes: int) -> ModelSpec:
+        """This spec with the coded sub-layers' transfer sizes (empty: no coding)."""
+        from dataclasses import replace
+
+        return replace(self, transfer=tuple(sorted(sizes.items())), stage_bytes=int(stage_bytes) if sizes else 0)
 
     def widened(self, names) -> ModelSpec:
         """This spec with `names` held in float32 (4 bytes an element) while the rest run in the compute

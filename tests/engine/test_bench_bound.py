@@ -72,3 +72,15 @@ def test_prefill_bound_of_moe_computes_experts_on_the_cpu_at_their_active_share(
     # no CPU rate: the same PCIe bound as a dense shape of the same bytes
     assert prefill_bound_tps(moe, int(4 * GB), RATES, 4096) == pytest.approx(
         prefill_bound_tps(dense_same, int(4 * GB), RATES, 4096))
+
+
+def test_the_coded_bound_moves_fewer_bytes_over_pcie():
+    sb = _dense(15 * GB)
+    # prefill: 13 GB of weights off the GPU, PCIe carrying 3/4 of their bytes
+    assert prefill_bound_tps(sb, int(2 * GB), RATES, 512, coded_fraction=0.75) == \
+        pytest.approx(512 / (0.75 * 13 * GB / 50e9))
+    # decode: PCIe delivers 50 / 0.75 GB/s of weights beside the CPU's 60
+    t = 11 * GB / ((60 + 50 / 0.75) * GB) + 4 * GB / (4000 * GB)
+    assert decode_bound_tps(sb, int(4 * GB), RATES, coded_fraction=0.75) == pytest.approx(1 / t)
+    row = bound_row("llama3-8b", gguf_shape("llama3-8b"), "4GiB", 4 << 30, RATES)
+    assert row["prefill512_tps_coded"] > row["prefill512_tps"] and row["decode_tps_coded"] > row["decode_tps"]

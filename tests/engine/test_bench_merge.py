@@ -149,6 +149,9 @@ def test_targets_beyond_the_bound_are_named():
     assert "decode is 10.50 tokens/s, the bound 11.00" in text and "prefill 512 is 3000" in text
     assert "prefill 4096" not in text
     assert beyond_bound(rs[4:]) == ""
+    # where Slipstream's row streamed coded weights, the bound it could reach is the coded one
+    coded = rs + [row("prefill 512", "bound with coded transfers", 3600.0, None)]
+    assert "prefill 512" not in beyond_bound(coded) and "decode is 10.50" in beyond_bound(coded)
 
 
 def test_the_vl_part_runs_resumes_and_merges(tmp_path, monkeypatch):
@@ -257,7 +260,7 @@ def test_decode_is_also_set_beside_the_bound_at_the_rates_its_own_lease_showed(t
     copy rates (no GPU) gets no such line."""
     from engine.bench.bound import Rates, decode_bound_tps, shape_bytes
     from engine.bench.gguf_shapes import gguf_shape
-    from engine.bench.gpu_merge import LEASE_BOUND, _profile, ratio_table, ratios
+    from engine.bench.gpu_merge import CODED_BOUND, LEASE_BOUND, _profile, ratio_table, ratios
     from engine.bench.scenarios import SCENARIOS
 
     def probe(cpu, cpu_copy, h2d, h2d_cpu):
@@ -288,7 +291,26 @@ def test_decode_is_also_set_beside_the_bound_at_the_rates_its_own_lease_showed(t
     assert lease["ratio"] == 8.0 / want and lease["target"] == 0.75 and lease["met"] == (8.0 / want >= 0.75)
     assert got[("4GiB", "bound")]["ratio"] == 8.0 / bound["4GiB"]["decode_tps"]
     assert ("2GiB", LEASE_BOUND) not in got
+    assert not any(a == CODED_BOUND for _, a in got)            # (no row streamed coded weights)
     assert f"| llama3-8b | 4GiB | decode | 8.00 | {LEASE_BOUND} |" in ratio_table(ratios(result["rows"]))
     md = (tmp_path / "res" / "results.md").read_text()
     assert ("- llama3-8b (4GiB), 2026-11-30: before 16:36 CPU 60.0 / 50.0, host->GPU 54.0 / 50.0, steal None; "
             "after 16:38 CPU 70.0 / 60.0, host->GPU 56.0 / 52.0, steal None") in md
+
+
+def test_rows_that_streamed_coded_weights_are_also_set_beside_the_coded_bound(tmp_path):
+    from engine.bench.gpu_merge import CODED_BOUND
+
+    out = tmp_path / "out"
+    s = Partial(out, "slipstream", machine={"gpu": "NVIDIA H200"})
+    s.add(_row("slipstream", "4GiB", 8.0, fits=True,
+               transfer_coding={"transfer_coded_sublayers": 64, "transfer_coded_ratio": 0.753}))
+    s.add(_row("slipstream", "2GiB", 6.0, fits=True, transfer_coding={"transfer_coded_sublayers": 0}))
+    s.save()
+    assert merge([out], tmp_path / "res", say=lambda m: None) == 0
+    result = json.loads((tmp_path / "res" / "results.json").read_text())
+    bound = {r["budget"]: r for r in result["rows"] if r["system"] == "bound"}
+    coded = {(r["budget"], r["metric"]): r for r in result["ratios"] if r["against"] == CODED_BOUND}
+    assert coded[("4GiB", "decode")]["peer"] == bound["4GiB"]["decode_tps_coded"] > bound["4GiB"]["decode_tps"]
+    assert coded[("4GiB", "decode")]["target"] is None
+    assert not any(b == "2GiB" for b, _ in coded)

@@ -1,0 +1,286 @@
+"""Lossless transfer coding of bf16 weights: fewer bytes over PCIe, the same bits in the slot.
+
+A bf16 word is two bytes, [s eeeeeee] [e mmmmmmm]. The low byte (the exponent's last bit and the mantissa)
+is close to uniform noise, the high byte is not: a weight matrix sits within a few binades of its scale,
+so its exponents' top bits take a handful of values. The coded form keeps every low byte as it is and
+replaces each high byte with a 4-bit code: bit 3 the sign, bits 0-2 the offset (0-6) of the exponent's
+top seven bits from a base chosen per chunk (the 7-value window holding the most words); offset code 7
+marks an escape, a word stored whole beside the chunk with its position. That is 12 bits a weight, 75% of
+the bytes, for any bf16 matrix whose values span fewer than 14 binades (a normal distribution puts about
+2 in 10,000 words outside them).
+
+A sub-layer's packed buffer is coded in chunks of `CHUNK_WORDS` words, each on its own (base, escapes), so
+the GPU can take them one at a time through a small staging ring: the copy engine brings chunk c into a
+stage while the GPU decodes chunk c-1 from the other one into the slot. A chunk whose coded form would not
+be smaller than `MAX_CODED_FRACTION` of its bytes (another dtype's bytes, padding, heavy tails) is kept raw
+and copied straight into the slot. Decoding is exact: the slot holds the same bytes as the host buffer.
+
+Coded buffer layout (bytes): each chunk (coded: lo [W] | nibbles [ceil(W/2)], word 2i in the low nibble and
+2i+1 in the high; raw: its bytes), then the escape block (positions int32 [k], the word's index in the
+sub-layer, then the words int16 [k]); each piece starts `ALIGN`ed. The GPU decodes a chunk's escapes as
+garbage and the escape block, applied last, puts them right: one small operation per sub-layer.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+ALIGN = 256                     # every coded chunk starts aligned (the host buffer's views and DMA like it)
+CHUNK_WORDS = 32 << 20          # 64 MiB of bf16 a chunk
+MAX_CODED_FRACTION = 0.8        # code a chunk only if that makes it at most this share of its bytes
+MIN_BYTES = 256 << 10           # smaller sub-layers stay raw (a copy that small is latency, not bytes)
+N_STAGES = 2                    # staging buffers on the GPU: one filling while the other is decoded
+ESCAPE = 7
+
+
+def _up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    raw_off: int        # first byte in the raw (packed) buffer
+    words: int          # bf16 words it covers
+    off: int            # first byte in the coded buffer
+    nbytes: int         # bytes in the coded buffer (raw chunks: 2 * words)
+    base: int           # -1: stored raw; else the window's first value of the exponent's top seven bits
+
+    @property
+    def coded(self) -> bool:
+        return self.base >= 0
+
+
+@dataclass(slots=True)
+class CodedBuffer:
+    """A sub-layer's bytes in transfer-coded form: one host buffer, its chunks and its escape block."""
+    host: torch.Tensor          # uint8, pinned on CUDA
+    chunks: tuple[Chunk, ...]
+    raw_bytes: int
+    esc_off: int = 0            # the escape block's first byte
+    escapes: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.host.numel())
+
+    @property
+    def stage_bytes(self) -> int:
+        """What one staging buffer must hold: the largest coded chunk, or the escape block."""
+        return max(max((c.nbytes for c in self.chunks if c.coded), default=0), 6 * self.escapes)
+
+
+def enabled_by_env() -> bool | None:
+    """`SLIPSTREAM_TRANSFER_CODE`: 1 on, 0 off, unset: decide by host memory (`engine.backends`)."""
+    v = os.environ.get("SLIPSTREAM_TRANSFER_CODE")
+    return None if v in (None, "") else v not in ("0", "off", "false")
+
+
+def min_bytes() -> int:
+    return int(os.environ.get("SLIPSTREAM_TRANSFER_CODE_MIN", MIN_BYTES))
+
+
+def _top_bits(raw: torch.Tensor) -> torch.Tensor:
+    return torch.bitwise_and(raw.view(-1, 2)[:, 1], 0x7F)
+
+
+SAMPLE_STRIDE = 61             # the base is chosen from every 61st word (a prime: no stride of a matrix's rows)
+
+
+def _choose_base(raw: torch.Tensor) -> int:
+    """The 7-value window of the exponent's top bits holding the most of a sample of the chunk's words."""
+    top = _top_bits(raw)
+    counts = torch.bincount(top[::SAMPLE_STRIDE] if top.numel() > 64 * SAMPLE_STRIDE else top,
+                            minlength=128).cumsum(0)
+    window = counts[6:] - torch.cat([counts.new_zeros(1), counts[:-7]])        # [122]: words in [b, b + 6]
+    return int(window.argmax())
+
+
+def _pays(words: int, escapes: int) -> bool:
+    return _coded_bytes(words) + 6 * escapes <= MAX_CODED_FRACTION * 2 * words
+
+
+def _coded_bytes(words: int) -> int:
+    return words + (words + 1) // 2
+
+
+def encode(raw: torch.Tensor, pin: bool = False, chunk_words: int = CHUNK_WORDS) -> CodedBuffer | None:
+    """Code a packed buffer (uint8, an even number of bytes, bf16 words); None if no chunk gets smaller.
+    Each chunk is coded into a scratch buffer first (the native encoder where the CPU kernels are built,
+    else tensor operations), and kept raw if its escapes make it not pay."""
+    n = raw.numel()
+    if n % 2 or n // 2 >= 1 << 31:
+        return None
+    total_words = n // 2
+    escapes = 0
+    scratch = torch.empty(_coded_bytes(min(chunk_words, total_words)), dtype=torch.uint8)
+    kept = []                       # per chunk: (raw offset, words, base, coded bytes, escape positions)
+    for w0 in range(0, total_words, chunk_words):
+        w = min(chunk_words, total_words - w0)
+        part = raw[2 * w0:2 * (w0 + w)]
+        base = _choose_base(part)
+        out = scratch[:_coded_bytes(w)]
+        pos = _code_chunk(part, base, out)
+        if _pays(w, len(pos)):
+            kept.append((2 * w0, w, base, out.clone(), pos + w0))
+            escapes += len(pos)
+        else:
+            kept.append((2 * w0, w, -1, None, None))
+    if all(base < 0 for _, _, base, _, _ in kept):
+        return None
+    chunks, off = [], 0
+    for raw_off, w, base, _, _ in kept:
+        nbytes = 2 * w if base < 0 else _coded_bytes(w)
+        chunks.append(Chunk(raw_off, w, off, nbytes, base))
+        off = _up(off + nbytes, ALIGN)
+    from engine.sharding.device import host_buffers
+
+    host = host_buffers([off + _up(6 * escapes, ALIGN)], pin)[0]
+    for c, (_, _, _, body, _) in zip(chunks, kept):
+        host[c.off:c.off + c.nbytes].copy_(raw[c.raw_off:c.raw_off + c.nbytes] if body is None else body)
+    if escapes:
+        pos = torch.cat([p for *_, p in kept if p is not None])
+        host[off:off + 4 * escapes].view(torch.int32).copy_(pos)
+        host[off + 4 * escapes:off + 6 * escapes].view(torch.int16).copy_(raw.view(torch.int16)[pos.long()])
+    return CodedBuffer(host, tuple(chunks), n, off, escapes)
+
+
+def _code_chunk(part: torch.Tensor, base: int, out: torch.Tensor) -> torch.Tensor:
+    """Code one chunk's words (`part`, uint8 [2W]) against `base` into `out` (lo [W] | nibbles); returns
+    its escapes' word positions within the chunk (int32)."""
+    from engine import kernels
+
+    w = part.numel() // 2
+    words = part.view(torch.int16)
+    lo, nib = out[:w], out[w:]
+    k = kernels.bf16_code(words, base, lo, nib) if part.is_contiguous() else None
+    if k is not None:
+        pos = kernels.bf16_escapes(words, base, k) if k else torch.zeros(0, dtype=torch.int32)
+        if pos is not None:
+            return pos
+    pair = part.view(-1, 2)
+    lo.copy_(pair[:, 0])
+    hi = pair[:, 1]
+    off = torch.bitwise_and(hi, 0x7F).to(torch.int16) - base
+    esc = (off < 0) | (off > 6)
+    code = torch.where(esc, ESCAPE, off).to(torch.uint8) | torch.bitwise_right_shift(torch.bitwise_and(hi, 0x80), 4)
+    if w % 2:
+        code = torch.cat([code, code.new_zeros(1)])
+    nib.copy_(code[0::2] | torch.bitwise_left_shift(code[1::2], 4))
+    return esc.nonzero().view(-1).to(torch.int32)
+
+
+def decode_chunk(lo: torch.Tensor, nib: torch.Tensor, out16: torch.Tensor, base: int) -> None:
+    """Write a coded chunk's words into `out16` (int16 [W], the slot's words for it) from its low bytes
+    `lo` [W] and nibbles `nib` [ceil(W/2)] on the same device: one fused kernel on CUDA where Triton is
+    there, else a few tensor operations. Escaped words come out wrong until `apply_escapes`."""
+    if out16.is_cuda and triton_available():
+        _triton_decode(lo, nib, out16, out16.numel(), base)
+        return
+    w = out16.numel()
+    pair = out16.view(torch.uint8).view(-1, 2)
+    pair[:, 0].copy_(lo)
+    code = torch.stack([torch.bitwise_and(nib, 15), torch.bitwise_right_shift(nib, 4)], 1).view(-1)[:w]
+    pair[:, 1].copy_(torch.bitwise_left_shift(torch.bitwise_and(code, 8), 4) | (torch.bitwise_and(code, 7) + base))
+
+
+def apply_escapes(block: torch.Tensor, k: int, dst16: torch.Tensor) -> None:
+    """Put the escaped words of the escape block `block` (uint8 [6k]) into the sub-layer's words `dst16`."""
+    dst16.index_put_((block[:4 * k].view(torch.int32),), block[4 * k:6 * k].view(torch.int16))
+
+
+class Program:
+    """One coded buffer's copy into one device buffer through one staging ring, as views cut once: per
+    piece (chunk or escape block), the host bytes, the stage it crosses into and what runs there."""
+
+    __slots__ = ("any_raw", "steps")
+
+    def __init__(self, coded: CodedBuffer, dst: torch.Tensor, stages: list[torch.Tensor]):
+        steps, j = [], 0
+        dst16 = dst[:coded.raw_bytes].view(torch.int16)
+        for c in coded.chunks:
+            src = coded.host[c.off:c.off + c.nbytes]
+            out = dst[c.raw_off:c.raw_off + 2 * c.words]
+            if not c.coded:
+                steps.append((None, src, out, None))
+                continue
+            k, j = j % len(stages), j + 1
+            st = stages[k][:c.nbytes]
+            lo, nib, out16, base = st[:c.words], st[c.words:], out.view(torch.int16), c.base
+            steps.append((k, src, st, lambda lo=lo, nib=nib, out16=out16, base=base: decode_chunk(lo, nib, out16, base)))
+        if coded.escapes:
+            k, n = j % len(stages), coded.escapes
+            src = coded.host[coded.esc_off:coded.esc_off + 6 * n]
+            st = stages[k][:6 * n]
+            steps.append((k, src, st, lambda st=st, n=n: apply_escapes(st, n, dst16)))
+        self.steps = tuple(steps)
+        self.any_raw = any(s[0] is None for s in steps)
+
+
+def decode(coded: CodedBuffer, dst: torch.Tensor | None = None) -> torch.Tensor:
+    """The raw bytes back (host or device `dst`, uint8 [raw_bytes]); for tests and checks."""
+    dst = torch.empty(coded.raw_bytes, dtype=torch.uint8) if dst is None else dst
+    stage = torch.empty(max(coded.stage_bytes, 1), dtype=torch.uint8, device=dst.device)
+    for k, src, st, run in Program(coded, dst, [stage]).steps:
+        st.copy_(src)
+        if run is not None:
+            run()
+    return dst
+
+
+def _make_triton_decode():
+    """The fused CUDA decode (one pass: read the low bytes and nibbles, write the words), or None."""
+    if os.environ.get("SLIPSTREAM_TRANSFER_TRITON", "1") == "0":
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:     # no Triton (CPU builds, some Windows setups): the tensor-op decode runs
+        return None
+
+    @triton.jit(do_not_specialize=["n", "base"])     # (one compile, whatever the chunk's length and base)
+    def _kernel(lo_ptr, nib_ptr, out_ptr, n, base, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        lo = tl.load(lo_ptr + i, mask=m, other=0).to(tl.int32)
+        nb = tl.load(nib_ptr + i // 2, mask=m, other=0).to(tl.int32)
+        code = (nb >> ((i & 1) * 4).to(tl.int32)) & 15
+        hi = ((code & 8) << 4) | ((base + (code & 7)) & 0x7F)
+        word = (hi << 8) | lo
+        tl.store(out_ptr + i, word.to(tl.int16), mask=m)
+
+    def run(lo, nib, out16, n, base):
+        block = 4096
+        _kernel[(triton.cdiv(n, block),)](lo, nib, out16, n, base, BLOCK=block)
+
+    return run
+
+
+_triton_decode = None
+_triton_checked = False
+
+
+def warm_up(device: torch.device) -> None:
+    """Compile the CUDA decode now (Triton compiles on first use, about a second, and per pointer
+    alignment): decode a small buffer whose second chunk starts its nibbles unaligned, as a sub-layer's
+    last chunk may."""
+    if not triton_available():
+        return
+    g = torch.Generator().manual_seed(0)
+    raw = (torch.randn(3049, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8)
+    coded = encode(raw, chunk_words=2048)
+    out = decode(coded, torch.empty(raw.numel(), dtype=torch.uint8, device=device))
+    torch.cuda.synchronize(device)
+    if not torch.equal(out.cpu(), raw):
+        raise RuntimeError("transfer coding: the CUDA decode does not give the bytes back")
+
+
+def triton_available() -> bool:
+    """Whether CUDA decodes run as the fused Triton kernel (resolved on first use)."""
+    global _triton_decode, _triton_checked
+    if not _triton_checked:
+        _triton_checked = True
+        _triton_decode = _make_triton_decode() if torch.cuda.is_available() else None
+    return _triton_decode is not None

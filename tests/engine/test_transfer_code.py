@@ -1,0 +1,193 @@
+"""Transfer coding of streamed bf16 weights (`engine.sharding.transfer_code`): exact, smaller, booked.
+
+The coded form must give back every bit (signs, zeros, subnormals, infinities, NaNs, another dtype's
+bytes), move about 75% of a normal matrix's bytes, and change nothing but the bytes over PCIe: a plan that
+streams coded sub-layers scores and generates exactly what the same plan does with raw copies, and the
+staging ring is booked as the planner's VRAM math says.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import engine
+from engine.sharding import transfer_code as tc
+from engine.sharding.memory import slot_bytes, transfer_bytes
+from engine.sharding.plan import Placement, Plan, PlanSet
+from tests.engine.tiny_plans import all_cpu_planset, force_planset
+
+DEVICE = os.environ.get("SLIPSTREAM_TEST_DEVICE", "sim")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _special() -> torch.Tensor:
+    vals = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e38, -1e-38, 3e-41, -3e-41, 1.0, -2.0]
+    return torch.tensor(vals, dtype=torch.float32).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.02, 1.0, 300.0])
+def test_normal_weights_come_back_exactly_at_three_quarters(scale):
+    g = torch.Generator().manual_seed(1)
+    raw = _bytes((torch.randn(199_999, generator=g) * scale).to(torch.bfloat16))
+    coded = tc.encode(raw, chunk_words=50_000)
+    assert coded is not None and len(coded.chunks) == 4 and all(c.coded for c in coded.chunks)
+    assert torch.equal(tc.decode(coded), raw)
+    assert coded.nbytes / raw.numel() < 0.76
+
+
+def test_special_values_and_outliers_are_escapes():
+    g = torch.Generator().manual_seed(2)
+    w = (torch.randn(40_000, generator=g) * 0.02).to(torch.bfloat16)
+    w[::997] = _special().repeat(len(w[::997]) // len(_special()) + 1)[:len(w[::997])]
+    raw = _bytes(w)
+    coded = tc.encode(raw)
+    assert coded.escapes > 0
+    back = tc.decode(coded)
+    assert torch.equal(back, raw)        # bit for bit: NaN payloads and signed zeros too
+
+
+def test_bytes_that_do_not_code_well_stay_raw():
+    g = torch.Generator().manual_seed(3)
+    fp32 = _bytes(torch.randn(30_000, generator=g))                   # float32 words: random high bytes
+    assert tc.encode(fp32) is None
+    bf16 = _bytes((torch.randn(30_000, generator=g) * 0.05).to(torch.bfloat16))
+    mixed = torch.cat([bf16, fp32, bf16])                              # chunks of either kind
+    coded = tc.encode(mixed, chunk_words=30_000)
+    assert [c.coded for c in coded.chunks] == [True, False, False, True]
+    assert torch.equal(tc.decode(coded), mixed)
+    odd = _bytes((torch.randn(1001, generator=g)).to(torch.bfloat16))    # an odd number of words
+    assert torch.equal(tc.decode(tc.encode(odd)), odd)
+    assert tc.encode(torch.zeros(5, dtype=torch.uint8)) is None        # not whole words
+
+
+def test_the_native_encoder_writes_what_the_tensor_path_writes(monkeypatch):
+    from engine import kernels
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(300_001, generator=g) * 0.03).to(torch.bfloat16)
+    w[::1013] = _special().repeat(300)[:len(w[::1013])]
+    raw = _bytes(w)
+    native = tc.encode(raw, chunk_words=100_000)
+    if kernels.status(wait=True).startswith("torch"):
+        pytest.skip("no native CPU kernels here")
+    monkeypatch.setattr(kernels, "bf16_code", lambda *a: None)
+    tensor = tc.encode(raw, chunk_words=100_000)
+    assert native.chunks == tensor.chunks and native.escapes == tensor.escapes > 0
+    for c in native.chunks:               # (padding between the pieces is left as allocated)
+        assert torch.equal(native.host[c.off:c.off + c.nbytes], tensor.host[c.off:c.off + c.nbytes])
+    e = slice(native.esc_off, native.esc_off + 6 * native.escapes)
+    assert torch.equal(native.host[e], tensor.host[e])
+    assert torch.equal(tc.decode(native), raw)
+
+
+# ---- in the engine ---------------------------------------------------------------------------------
+
+@pytest.fixture()
+def coded_env(monkeypatch):
+    from engine.backends.torch_engine import TorchEngine
+
+    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu_planset)
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE_MIN", "0")      # the tiny model's sub-layers are small
+
+
+def _streaming_planset(eng, n_slots: int) -> PlanSet:
+    """Every attention and FFN streamed through `n_slots` slots, the head resident."""
+    place = {s.name: (Placement.STREAMED if s.kind in ("attn", "ffn") else
+                      Placement.RESIDENT if s.kind == "head" else Placement.CPU) for s in eng.spec.sublayers}
+    return PlanSet(eng.budget, [Plan(t, "manual", dict(place), n_slots) for t in eng.tiers])
+
+
+def _open(path, code: bool, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE", "1" if code else "0")
+    return engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB")
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+@pytest.mark.parametrize("n_slots", [1, 3])
+def test_a_coded_stream_gives_the_same_logits_and_tokens(tiny_model, coded_env, monkeypatch, arch, n_slots):
+    path = tiny_model(arch, dtype="bfloat16")
+    ids = list(range(3, 40))
+    out = {}
+    for code in (False, True):
+        eng = _open(path, code, monkeypatch)
+        assert bool(eng.executor.store.coded) is code
+        force_planset(eng, _streaming_planset(eng, n_slots))
+        before = eng.executor.copied_bytes
+        logits = eng.score(ids)
+        copied = eng.executor.copied_bytes - before
+        text = "".join(e.text for e in eng.generate("hello there", max_new_tokens=12) if e.text)
+        out[code] = (logits, text, copied, eng.stats(), len(eng.spec.sublayers))
+        eng.close()
+    assert torch.equal(out[True][0], out[False][0])
+    assert out[True][1] == out[False][1]
+    assert out[True][2] < 0.9 * out[False][2]          # fewer bytes crossed for the same work
+    assert 0 < out[True][3]["transfer_coded_sublayers"] <= out[True][4] - 1   # (never the embedding)
+    assert out[True][3]["transfer_coded_ratio"] < 0.85   # (the tiny models' weights have heavier tails)
+
+
+def test_the_staging_ring_is_booked_as_planned(tiny_model, coded_env, monkeypatch):
+    eng = _open(tiny_model("llama3", dtype="bfloat16"), True, monkeypatch)
+    store = eng.executor.store
+    assert eng.spec.stage_bytes == store.stage_bytes > 0
+    sizes = transfer_bytes(eng.spec)
+    for name, c in store.coded.items():
+        assert sizes[name] == c.nbytes < store.nbytes(name)
+    ps = _streaming_planset(eng, 2)
+    force_planset(eng, ps)
+    eng.score([1, 2, 3])
+    place = ps.plans[0].placement
+    assert eng.accel.used["slots"] == slot_bytes(eng.spec, place, 2)
+    assert eng.accel.used["slots"] == 2 * max(store.nbytes(n) for n, p in place.items() if p is Placement.STREAMED) \
+        + tc.N_STAGES * store.stage_bytes
+    force_planset(eng, PlanSet(eng.budget, all_cpu_planset(eng, eng.budget).plans))
+    assert eng.accel.used["slots"] == 0                # no stream, no ring
+    eng.close()
+
+
+def test_coded_copies_are_priced_by_their_bytes(tiny_model, coded_env, monkeypatch):
+    from engine.sharding.estimator import copy_costs
+    from engine.sharding.profile import ProfileDatabase, sim_profile_dict
+
+    prof = ProfileDatabase(sim_profile_dict())
+    raw = _open(tiny_model("llama3", dtype="bfloat16"), False, monkeypatch)
+    coded = _open(tiny_model("llama3", dtype="bfloat16"), True, monkeypatch)
+    a, _ = copy_costs(raw.spec, prof)
+    b, _ = copy_costs(coded.spec, prof)
+    names = [s.name for s in coded.spec.sublayers]
+    for i, n in enumerate(names):
+        if n in coded.executor.store.coded:
+            assert b[i] == pytest.approx(a[i] * coded.executor.store.coded[n].nbytes / raw.executor.store.nbytes(n))
+        else:
+            assert b[i] == a[i]
+    raw.close()
+    coded.close()
+
+
+def test_off_for_other_dtypes_and_the_cpu(tiny_model, coded_env, monkeypatch):
+    eng = _open(tiny_model("llama3"), True, monkeypatch)       # float32 weights: nothing to code
+    assert not eng.executor.store.coded and eng.spec.transfer == ()
+    eng.close()
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE", "1")
+    cpu = engine.open_model(tiny_model("llama3", dtype="bfloat16"), device="cpu", backend="torch")
+    assert not cpu.executor.store.coded
+    cpu.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the fused decode against the tensor path")
+def test_the_fused_cuda_decode_matches_the_tensor_path():
+    if not tc.triton_available():
+        pytest.skip("no Triton")
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(3_000_003, generator=g) * 0.02).to(torch.bfloat16)
+    w[::4999] = float("inf")
+    raw = _bytes(w)
+    coded = tc.encode(raw, chunk_words=1 << 20)
+    dev = torch.empty(raw.numel(), dtype=torch.uint8, device="cuda")
+    tc.decode(coded, dev)
+    assert torch.equal(dev.cpu(), raw)
