@@ -551,6 +551,10 @@ class TorchEngine(Engine):
             rep["process_overhead"] = {"bytes": self.accel.overhead, "source": self.accel.overhead_source,
                                        "bookable": self.accel.budget}
             rep["expandable_segments"] = self.accel.expandable_segments
+            coded = self.executor.store.coded
+            rep["transfer_coding"] = {"on": self.transfer_code, "sublayers": len(coded),
+                                      "coded_bytes": sum(c.nbytes for c in coded.values()),
+                                      "raw_bytes": sum(c.raw_bytes for c in coded.values())}
         from engine import kernels
 
         rep["cpu_matmul"] = kernels.status()
@@ -593,7 +597,7 @@ class TorchEngine(Engine):
             return s
         kv = self.executor.kv
         coded = self.executor.store.coded
-        s.update(transfer_coded_sublayers=len(coded),
+        s.update(transfer_coded_sublayers=len(coded), transfer_coded_bytes=sum(c.nbytes for c in coded.values()),
                  transfer_coded_ratio=(round(sum(c.nbytes for c in coded.values())
                                              / max(sum(c.raw_bytes for c in coded.values()), 1), 4)
                                        if coded else None))

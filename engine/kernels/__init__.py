@@ -772,13 +772,15 @@ def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero
                                y.shape[0], y.shape[1]) == 0
 
 
-def bf16_code(words: torch.Tensor, base: int, lo: torch.Tensor, nib: torch.Tensor) -> int | None:
+def bf16_code(words: torch.Tensor, base: int, lo: torch.Tensor | None, nib: torch.Tensor | None) -> int | None:
     """Transfer coding's encoder (`engine.sharding.transfer_code`) in one native call over the pool: the low
     bytes of `words` (int16 [W], contiguous, on the CPU) into `lo` (uint8 [W]) and their 4-bit codes against
-    `base` into `nib` (uint8 [ceil(W/2)]); returns the number of escapes, or None where the library is not
-    there (the caller codes with tensor operations)."""
-    if not (words.is_cpu and lo.is_cpu and nib.is_cpu and words.is_contiguous() and lo.is_contiguous()
-            and nib.is_contiguous()) or lo.numel() != words.numel() or nib.numel() != (words.numel() + 1) // 2:
+    `base` into `nib` (uint8 [ceil(W/2)]); with `lo` and `nib` None it only counts. Returns the number of
+    escapes, or None where the library is not there (the caller codes with tensor operations)."""
+    if not (words.is_cpu and words.is_contiguous()):
+        return None
+    if lo is not None and not (lo.is_cpu and nib.is_cpu and lo.is_contiguous() and nib.is_contiguous()
+                               and lo.numel() == words.numel() and nib.numel() == (words.numel() + 1) // 2):
         return None
     lib = _load()
     if lib is None:
@@ -786,7 +788,8 @@ def bf16_code(words: torch.Tensor, base: int, lo: torch.Tensor, nib: torch.Tenso
     _sync_threads(lib)
     pooled = _busy.acquire(blocking=False)
     try:
-        n = lib.sl_bf16_code(words.data_ptr(), words.numel(), int(base), lo.data_ptr(), nib.data_ptr(), int(pooled))
+        n = lib.sl_bf16_code(words.data_ptr(), words.numel(), int(base), None if lo is None else lo.data_ptr(),
+                             None if nib is None else nib.data_ptr(), int(pooled))
     finally:
         if pooled:
             _busy.release()

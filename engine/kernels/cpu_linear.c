@@ -1733,16 +1733,18 @@ static void code_block(const void *arg, int64_t c) {
     for (int64_t i = a; i < b; i += 2) {
         uint16_t w0 = j->w[i], w1 = i + 1 < b ? j->w[i + 1] : 0;
         unsigned c0 = code_of(w0, j->base), c1 = i + 1 < b ? code_of(w1, j->base) : 0;
-        j->lo[i] = (uint8_t)w0;
-        if (i + 1 < b) j->lo[i + 1] = (uint8_t)w1;
-        j->nib[i / 2] = (uint8_t)(c0 | (c1 << 4));
+        if (j->lo) {
+            j->lo[i] = (uint8_t)w0;
+            if (i + 1 < b) j->lo[i + 1] = (uint8_t)w1;
+            j->nib[i / 2] = (uint8_t)(c0 | (c1 << 4));
+        }
         e += (c0 & 7) == 7;
         e += i + 1 < b && (c1 & 7) == 7;
     }
     j->esc[c] = e;
 }
 
-/* Codes n words; returns the escapes, or -1. `pooled`: the caller holds the pool. */
+/* Codes n words (lo = NULL: only counts); returns the escapes, or -1. `pooled`: the caller holds the pool. */
 int64_t sl_bf16_code(const uint16_t *w, int64_t n, int base, uint8_t *lo, uint8_t *nib, int pooled) {
     if (n < 0 || base < 0 || base > 127) return -1;
     int64_t blocks = (n + CODE_BLOCK - 1) / CODE_BLOCK, total = 0;

@@ -106,45 +106,74 @@ def _coded_bytes(words: int) -> int:
     return words + (words + 1) // 2
 
 
-def encode(raw: torch.Tensor, pin: bool = False, chunk_words: int = CHUNK_WORDS) -> CodedBuffer | None:
-    """Code a packed buffer (uint8, an even number of bytes, bf16 words); None if no chunk gets smaller.
-    Each chunk is coded into a scratch buffer first (the native encoder where the CPU kernels are built,
-    else tensor operations), and kept raw if its escapes make it not pay."""
+def plan(raw: torch.Tensor, chunk_words: int = CHUNK_WORDS) -> tuple[tuple[Chunk, ...], int, int] | None:
+    """How a packed buffer (uint8, bf16 words) codes: (chunks, the escape block's offset, escapes), from one
+    counting pass; None if it is not whole words or no chunk gets smaller. Its coded form takes
+    `coded_size(...)` bytes."""
     n = raw.numel()
     if n % 2 or n // 2 >= 1 << 31:
         return None
     total_words = n // 2
-    escapes = 0
-    scratch = torch.empty(_coded_bytes(min(chunk_words, total_words)), dtype=torch.uint8)
-    kept = []                       # per chunk: (raw offset, words, base, coded bytes, escape positions)
+    chunks, off, escapes = [], 0, 0
     for w0 in range(0, total_words, chunk_words):
         w = min(chunk_words, total_words - w0)
         part = raw[2 * w0:2 * (w0 + w)]
         base = _choose_base(part)
-        out = scratch[:_coded_bytes(w)]
-        pos = _code_chunk(part, base, out)
-        if _pays(w, len(pos)):
-            kept.append((2 * w0, w, base, out.clone(), pos + w0))
-            escapes += len(pos)
-        else:
-            kept.append((2 * w0, w, -1, None, None))
-    if all(base < 0 for _, _, base, _, _ in kept):
-        return None
-    chunks, off = [], 0
-    for raw_off, w, base, _, _ in kept:
+        esc = _count_escapes(part, base)
+        if not _pays(w, esc):
+            base, esc = -1, 0
         nbytes = 2 * w if base < 0 else _coded_bytes(w)
-        chunks.append(Chunk(raw_off, w, off, nbytes, base))
+        chunks.append(Chunk(2 * w0, w, off, nbytes, base))
+        escapes += esc
         off = _up(off + nbytes, ALIGN)
+    if not any(c.coded for c in chunks):
+        return None
+    return tuple(chunks), off, escapes
+
+
+def coded_size(esc_off: int, escapes: int) -> int:
+    return esc_off + _up(6 * escapes, ALIGN)
+
+
+def encode_into(raw: torch.Tensor, layout: tuple[tuple[Chunk, ...], int, int], host: torch.Tensor) -> CodedBuffer:
+    """Code `raw` as `plan` laid it out into `host` (uint8, `coded_size` bytes: pinned for the GPU's copies)."""
+    chunks, esc_off, escapes = layout
+    pos_all = []
+    for c in chunks:
+        part = raw[c.raw_off:c.raw_off + 2 * c.words]
+        if c.coded:
+            pos_all.append(_code_chunk(part, c.base, host[c.off:c.off + c.nbytes]) + c.raw_off // 2)
+        else:
+            host[c.off:c.off + c.nbytes].copy_(part)
+    pos = torch.cat(pos_all)
+    if len(pos) != escapes:
+        raise RuntimeError(f"transfer coding: {len(pos)} escapes where {escapes} were counted")
+    if escapes:
+        host[esc_off:esc_off + 4 * escapes].view(torch.int32).copy_(pos)
+        host[esc_off + 4 * escapes:esc_off + 6 * escapes].view(torch.int16).copy_(raw.view(torch.int16)[pos.long()])
+    return CodedBuffer(host, chunks, raw.numel(), esc_off, escapes)
+
+
+def encode(raw: torch.Tensor, pin: bool = False, chunk_words: int = CHUNK_WORDS) -> CodedBuffer | None:
+    """`plan` and `encode_into` a buffer of its own; None if coding does not pay. (A weight store plans all its
+    sub-layers first and packs their coded buffers into a few pinned chunks: one pinned allocation per
+    buffer rounds each up to a power of two.)"""
+    layout = plan(raw, chunk_words)
+    if layout is None:
+        return None
     from engine.sharding.device import host_buffers
 
-    host = host_buffers([off + _up(6 * escapes, ALIGN)], pin)[0]
-    for c, (_, _, _, body, _) in zip(chunks, kept):
-        host[c.off:c.off + c.nbytes].copy_(raw[c.raw_off:c.raw_off + c.nbytes] if body is None else body)
-    if escapes:
-        pos = torch.cat([p for *_, p in kept if p is not None])
-        host[off:off + 4 * escapes].view(torch.int32).copy_(pos)
-        host[off + 4 * escapes:off + 6 * escapes].view(torch.int16).copy_(raw.view(torch.int16)[pos.long()])
-    return CodedBuffer(host, tuple(chunks), n, off, escapes)
+    return encode_into(raw, layout, host_buffers([coded_size(*layout[1:])], pin)[0])
+
+
+def _count_escapes(part: torch.Tensor, base: int) -> int:
+    from engine import kernels
+
+    k = kernels.bf16_code(part.view(torch.int16), base, None, None) if part.is_contiguous() else None
+    if k is not None:
+        return k
+    d = _top_bits(part).to(torch.int16) - base
+    return int(((d < 0) | (d > 6)).sum())
 
 
 def _code_chunk(part: torch.Tensor, base: int, out: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,16 @@ import torch
 
 from engine.sharding.device import HOST_ALIGN as _ALIGN
 from engine.sharding.device import Accelerator, host_buffers
-from engine.sharding.transfer_code import N_STAGES, CodedBuffer, Program, encode, min_bytes, warm_up
+from engine.sharding.transfer_code import (
+    N_STAGES,
+    CodedBuffer,
+    Program,
+    coded_size,
+    encode_into,
+    min_bytes,
+    plan,
+    warm_up,
+)
 
 _FUSED = {"qkv.weight": ("q.weight", "k.weight", "v.weight"), "qkv.bias": ("q.bias", "k.bias", "v.bias"),
           "gate_up.weight": ("gate.weight", "up.weight")}
@@ -186,12 +195,16 @@ class WeightStore:
         """Keep a transfer-coded copy of every bf16 sub-layer (but the embedding, gathered on the host) big
         enough to gain from it."""
         floor = min_bytes()
+        layouts = {}
         for name, sw in self.sublayers.items():
             if name == "embed" or sw.nbytes < floor or any(s.dtype != torch.bfloat16 for s in sw.layout):
                 continue
-            coded = encode(sw.host, pin)
-            if coded is not None:
-                self.coded[name] = coded
+            layout = plan(sw.host)
+            if layout is not None:
+                layouts[name] = layout
+        bufs = host_buffers([coded_size(*lay[1:]) for lay in layouts.values()], pin)   # packed, as the raw ones
+        for (name, layout), buf in zip(layouts.items(), bufs):
+            self.coded[name] = encode_into(self.sublayers[name].host, layout, buf)
         if self.coded and self.accel.kind == "cuda":
             warm_up(self.accel.device)
 

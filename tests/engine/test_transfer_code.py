@@ -135,6 +135,8 @@ def test_the_staging_ring_is_booked_as_planned(tiny_model, coded_env, monkeypatc
     eng = _open(tiny_model("llama3", dtype="bfloat16"), True, monkeypatch)
     store = eng.executor.store
     assert eng.spec.stage_bytes == store.stage_bytes > 0
+    rep = eng.plan_report()["transfer_coding"]
+    assert rep["on"] and rep["sublayers"] == len(store.coded) and 0 < rep["coded_bytes"] < rep["raw_bytes"]
     sizes = transfer_bytes(eng.spec)
     for name, c in store.coded.items():
         assert sizes[name] == c.nbytes < store.nbytes(name)
