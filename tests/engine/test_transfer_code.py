@@ -131,6 +131,66 @@ def test_a_coded_stream_gives_the_same_logits_and_tokens(tiny_model, coded_env, 
     assert out[True][3]["transfer_coded_ratio"] < 0.85   # (the tiny models' weights have heavier tails)
 
 
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_placements_changing_mid_generation_keep_the_tokens_coded(tiny_model, coded_env, monkeypatch, arch):
+    """Random placements (resident, streamed, CPU) switched every few tokens, slots 1-3, coded copies: the
+    tokens of the model on the CPU alone."""
+    import random
+
+    from tests.engine.test_executor import random_planset
+
+    path = tiny_model(arch, dtype="bfloat16")
+    cpu = engine.open_model(path, device="cpu", backend="torch")
+    want = [e.token_id for e in cpu.generate("the quick brown fox", max_new_tokens=24)]
+    cpu.close()
+    eng = _open(path, True, monkeypatch)
+    rng = random.Random(11)
+    force_planset(eng, random_planset(eng, rng, 2))
+    got = []
+    for i, ev in enumerate(eng.generate("the quick brown fox", max_new_tokens=24)):
+        got.append(ev.token_id)
+        if i % 5 == 2:
+            force_planset(eng, random_planset(eng, rng, 1 + i % 3))
+    assert got == want
+    assert eng.accel.total_used <= eng.budget
+    eng.close()
+    assert eng.accel.total_used == 0
+
+
+def test_planned_budget_changes_mid_generation_with_coded_streams(tiny_model, monkeypatch):
+    """The planner's own plans (a slow CPU, so weights go to the GPU and stream) at budgets that move while
+    a greedy generation runs: coded copies give the tokens of the CPU alone, and the bookings (slots and the
+    staging ring included) stay within every budget."""
+    import threading
+
+    from tests.engine.tiny_plans import TIERS, slow_cpu_profile, third_of_weights
+
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE", "1")
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE_MIN", "0")
+    path = tiny_model("llama3", dtype="bfloat16")
+    cpu = engine.open_model(path, device="cpu", backend="torch")
+    want = [e.token_id for e in cpu.generate("a b c d e", max_new_tokens=30)]
+    cpu.close()
+    eng = engine.open_model(path, device=DEVICE, backend="torch", tiers=TIERS, profile=slow_cpu_profile())
+    assert eng.executor.store.coded
+    full = eng.spec.total_weight_bytes
+    base = third_of_weights(eng) - full // 3
+    budgets = [base + full // 3, base + full // 8, base + full * 2, base + full // 2]
+    eng.set_vram_budget(budgets[0])
+    got, streamed = [], 0
+    for i, ev in enumerate(eng.generate("a b c d e", max_new_tokens=30)):
+        got.append(ev.token_id)
+        streamed += eng.plan_report()["in_use"]["slots"] > 0
+        assert eng.accel.total_used <= max(r["budget"] for r in eng.replans[-2:])
+        if i % 6 == 3:
+            t = threading.Thread(target=eng.set_vram_budget, args=(budgets[(i // 6) % len(budgets)],))
+            t.start()
+            t.join()
+    assert got == want
+    assert streamed > 0                                   # some steps ran with slots (and the ring)
+    eng.close()
+
+
 def test_the_staging_ring_is_booked_as_planned(tiny_model, coded_env, monkeypatch):
     eng = _open(tiny_model("llama3", dtype="bfloat16"), True, monkeypatch)
     store = eng.executor.store
