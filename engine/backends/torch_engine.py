@@ -571,18 +571,20 @@ class TorchEngine(Engine):
     def _transfer_code_wanted(self) -> bool:
         """Whether streamed bf16 sub-layers move transfer-coded (`engine.sharding.transfer_code`): lossless,
         25% fewer bytes over PCIe, for a coded copy in host memory of 75% of the weights' bytes.
-        `SLIPSTREAM_TRANSFER_CODE=1`/`0` decides; by default on where the GPU decodes in one fused kernel
-        (Triton; always on "sim") and the host has room for the copy beside a reserve for everything else
-        (a quarter of its memory, at least 4 GiB)."""
+        By default on where the host has room for the copy beside a reserve for everything else (a quarter
+        of its memory, at least 4 GiB); `SLIPSTREAM_TRANSFER_CODE=1`/`0` decides instead. On CUDA it also
+        needs the fused decode to build and run here (`transfer_code.cuda_decode_works`: Triton and a C
+        compiler for its launcher); "sim" decodes with tensor operations."""
         from engine.sharding import transfer_code
 
         if self.accel is None or self.dtype != torch.bfloat16:
             return False
-        if self.accel.kind == "cuda" and not transfer_code.triton_available():
-            return False
         forced = transfer_code.enabled_by_env()
-        if forced is not None:
-            return forced
+        if forced is False or (forced is None and not self._host_room_for_coding()):
+            return False
+        return self.accel.kind != "cuda" or transfer_code.cuda_decode_works(self.accel.device)
+
+    def _host_room_for_coding(self) -> bool:
         try:
             import psutil
         except ImportError:

@@ -23,10 +23,13 @@ garbage and the escape block, applied last, puts them right: one small operation
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 ALIGN = 256                     # every coded chunk starts aligned (the host buffer's views and DMA like it)
 CHUNK_WORDS = 32 << 20          # 64 MiB of bf16 a chunk
@@ -289,6 +292,20 @@ def _make_triton_decode():
 
 _triton_decode = None
 _triton_checked = False
+
+
+def cuda_decode_works(device: torch.device) -> bool:
+    """Whether the fused CUDA decode compiles and gives the bytes back here (`warm_up`). Triton builds a small
+    launcher with the system C compiler on first use, so having Triton is not enough: a machine without a
+    compiler, or with a driver Triton cannot use, gets False and streams raw bytes."""
+    if not triton_available():
+        return False
+    try:
+        warm_up(device)
+    except Exception as exc:  # noqa: BLE001 (any failure to build or run it: raw streaming, never a failed open)
+        log.warning("transfer coding off: the CUDA decode did not run (%s)", str(exc).splitlines()[0][:200])
+        return False
+    return True
 
 
 def warm_up(device: torch.device) -> None:

@@ -253,3 +253,15 @@ def test_the_fused_cuda_decode_matches_the_tensor_path():
     dev = torch.empty(raw.numel(), dtype=torch.uint8, device="cuda")
     tc.decode(coded, dev)
     assert torch.equal(dev.cpu(), raw)
+
+
+def test_a_cuda_decode_that_does_not_build_leaves_coding_off(monkeypatch, caplog):
+    """Triton present but its launcher not building (no C compiler) must not fail an open: raw streaming."""
+    def broken(device):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.")
+
+    monkeypatch.setattr(tc, "triton_available", lambda: True)
+    monkeypatch.setattr(tc, "warm_up", broken)
+    with caplog.at_level("WARNING", logger="engine.sharding.transfer_code"):
+        assert tc.cuda_decode_works(torch.device("cpu")) is False
+    assert "transfer coding off" in caplog.text and "C compiler" in caplog.text
