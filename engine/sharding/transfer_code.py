@@ -5,11 +5,11 @@ is close to uniform noise, the high byte is not: a weight matrix sits within a f
 so its exponents' top bits take a handful of values. The coded form keeps every low byte as it is and
 replaces each high byte with a 4-bit code: bit 3 the sign, bits 0-2 the offset (0-6) of the exponent's
 top seven bits from a base chosen per chunk (the 7-value window holding the most words); offset code 7
-marks an escape, a word stored whole beside the chunk with its position. That is 12 bits a weight, 75% of
-the bytes, for any bf16 matrix whose values span fewer than 14 binades (a normal distribution puts about
-2 in 10,000 words outside them).
+marks an escape, a word stored whole with its position in the sub-layer's escape block. That is 12 bits a
+weight, 75% of the bytes, for any bf16 matrix whose values span fewer than 14 binades (a normal
+distribution puts about 2 in 10,000 words outside them).
 
-A sub-layer's packed buffer is coded in chunks of `CHUNK_WORDS` words, each on its own (base, escapes), so
+A sub-layer's packed buffer is coded in chunks of `CHUNK_WORDS` words, each with its own base, so
 the GPU can take them one at a time through a small staging ring: the copy engine brings chunk c into a
 stage while the GPU decodes chunk c-1 from the other one into the slot. A chunk whose coded form would not
 be smaller than `MAX_CODED_FRACTION` of its bytes (another dtype's bytes, padding, heavy tails) is kept raw
