@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -38,23 +39,27 @@ def main(argv=None) -> int:
     ap.add_argument("--mib", type=int, default=448, help="raw MiB of the buffer (a Llama-3-8B FFN: 336)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--scale", type=float, default=0.02)
+    ap.add_argument("--device", choices=("cuda", "sim"), default="cuda",
+                    help="sim: the same steps on the CPU (a dry run of the script; its rates say nothing)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     from engine.sharding.device import Accelerator
     from engine.sharding.weights import Stages
 
+    cuda = a.device == "cuda"
+    dev = "cuda" if cuda else "cpu"
     words = a.mib << 19
-    raw_t = (torch.randn(words, device="cuda") * a.scale).to(torch.bfloat16).cpu()
-    raw = torch.empty(2 * words, dtype=torch.uint8, pin_memory=True)
+    raw_t = (torch.randn(words, device=dev) * a.scale).to(torch.bfloat16).cpu()
+    raw = torch.empty(2 * words, dtype=torch.uint8, pin_memory=cuda)
     raw.copy_(raw_t.view(torch.uint8))
     del raw_t
     t0 = time.perf_counter()
-    coded = tc.encode(raw, pin=True)
+    coded = tc.encode(raw, pin=cuda)
     encode_s = time.perf_counter() - t0
-    accel = Accelerator("cuda")
-    dst = torch.empty(2 * words, dtype=torch.uint8, device="cuda")
-    stages = Stages([torch.empty(coded.stage_bytes, dtype=torch.uint8, device="cuda") for _ in range(tc.N_STAGES)])
-    sync = torch.cuda.synchronize
+    accel = Accelerator(a.device)
+    dst = torch.empty(2 * words, dtype=torch.uint8, device=dev)
+    stages = Stages([torch.empty(coded.stage_bytes, dtype=torch.uint8, device=dev) for _ in range(tc.N_STAGES)])
+    sync = torch.cuda.synchronize if cuda else accel.synchronize
 
     def plain():
         accel.copy_async(dst, raw).wait_host()
@@ -62,7 +67,7 @@ def main(argv=None) -> int:
     def coded_copy():
         accel.copy_coded(dst, coded, stages).wait_host()
 
-    in_vram = tc.CodedBuffer(coded.host.to("cuda"), coded.chunks, coded.raw_bytes, coded.esc_off, coded.escapes)
+    in_vram = tc.CodedBuffer(coded.host.to(dev), coded.chunks, coded.raw_bytes, coded.esc_off, coded.escapes)
 
     def decode_only():          # (each piece also copied VRAM -> stage, as decode() does)
         tc.decode(in_vram, dst)
@@ -88,7 +93,8 @@ def main(argv=None) -> int:
             us.append((time.perf_counter() - t0) * 1e6)
             h.wait_host()
         rows[name]["issue_us"] = round(sorted(us)[len(us) // 2], 1)
-    result = {"command": "python -m engine.bench.transfer_code_rate " + " ".join(argv or []),
+    result = {"command": "python -m engine.bench.transfer_code_rate " + " ".join(argv or sys.argv[1:]),
+              "device": a.device,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_info(), "raw_bytes": 2 * words, "coded_bytes": coded.nbytes,
               "ratio": round(coded.nbytes / (2 * words), 4), "chunks": len(coded.chunks),
               "escapes": coded.escapes, "encode_s": round(encode_s, 3),

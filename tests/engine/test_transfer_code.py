@@ -265,3 +265,16 @@ def test_a_cuda_decode_that_does_not_build_leaves_coding_off(monkeypatch, caplog
     with caplog.at_level("WARNING", logger="engine.sharding.transfer_code"):
         assert tc.cuda_decode_works(torch.device("cpu")) is False
     assert "transfer coding off" in caplog.text and "C compiler" in caplog.text
+
+
+def test_the_rate_bench_runs_its_steps_on_sim(tmp_path):
+    """`transfer_code_rate --device sim`: the GPU bench's steps on the CPU (its JSON and its exactness check)."""
+    import json
+
+    from engine.bench import transfer_code_rate
+
+    assert transfer_code_rate.main(["--device", "sim", "--mib", "4", "--reps", "2", "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "transfer_code_rate.json").read_text())
+    assert got["exact"] and got["device"] == "sim" and 0.74 < got["ratio"] < 0.76 and got["escapes"] > 0
+    assert set(got["rows"]) == {"plain copy", "coded copy", "GPU decode alone"}
+    assert all(r["median_ms"] > 0 for r in got["rows"].values()) and "issue_us" in got["rows"]["coded copy"]
