@@ -18,10 +18,10 @@ step "CUDA tests"
 SLIPSTREAM_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short \
   tests/engine/test_transfer_code.py tests/engine/test_executor.py 2>&1 | grep -v "^  *File\|^$" | tail -30 > $W/tests.txt
 tail -6 $W/tests.txt
-i=0
+i=0; TIMEV=$([ -x /usr/bin/time ] && echo "/usr/bin/time -v")    # (peak RSS where GNU time is there)
 for v in 0 1 1 0; do
   i=$((i+1)); step "llama3-8b 4GiB, transfer coding $v ($i)"
-  SLIPSTREAM_TRANSFER_CODE=$v /usr/bin/time -v timeout 150 python3 -m engine bench --gpu --part slipstream \
+  SLIPSTREAM_TRANSFER_CODE=$v $TIMEV timeout 150 python3 -m engine bench --gpu --part slipstream \
     --models llama3-8b --budgets 4GiB --out $W/s$i-$v > $W/s$i-$v.log 2>&1; echo "rc=$?"
   grep -h "slipstream llama3-8b\|opened\|Maximum resident" $W/s$i-$v.log | tail -3
 done
