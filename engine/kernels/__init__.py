@@ -196,6 +196,10 @@ def _load():
         lib.sl_bf16_code.restype = ctypes.c_int64
         lib.sl_bf16_escapes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
         lib.sl_bf16_escapes.restype = ctypes.c_int64
+        lib.sl_linear_coded.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+        lib.sl_linear_coded.restype = ctypes.c_int
+        lib.sl_coded_ready.restype = ctypes.c_int
         lib.sl_phase_timing.argtypes = [ctypes.c_int]
         lib.sl_phase_timing.restype = None
         lib.sl_phase_read.argtypes = [ctypes.c_void_p]
@@ -770,6 +774,45 @@ def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero
     o = out.data_ptr()
     return lib.sl_weighted_sum(_DTYPES[dtype], o, None if from_zero else o, y.data_ptr(), wt.data_ptr(),
                                y.shape[0], y.shape[1]) == 0
+
+
+class CodedMat(ctypes.Structure):
+    """The C side's `coded_mat`: a bf16 matrix read in place from its transfer-coded form."""
+    _fields_ = [("n_chunks", ctypes.c_int64), ("first_row", ctypes.POINTER(ctypes.c_int64)),
+                ("lo", ctypes.POINTER(ctypes.c_void_p)),
+                ("nib", ctypes.POINTER(ctypes.c_void_p)), ("base", ctypes.POINTER(ctypes.c_uint8)),
+                ("esc_pos", ctypes.c_void_p), ("esc_val", ctypes.c_void_p), ("n_esc", ctypes.c_int64),
+                ("word0", ctypes.c_int64)]
+
+
+def coded_ready() -> bool:
+    """Whether the native matmul reads transfer-coded matrices here (AVX512-BF16)."""
+    lib = _load()
+    return lib is not None and bool(lib.sl_coded_ready())
+
+
+def linear_coded(x: torch.Tensor, mat, n: int, k: int, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """`x @ w.T (+ bias)` for a bf16 matrix w [n, k] held transfer-coded (`mat`: a
+    `transfer_code.CpuMatrix`), read in place: the same bits as `linear` over the raw matrix, from three
+    quarters of the bytes. None where it does not apply (the caller reads the raw matrix)."""
+    if (x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k or x.requires_grad
+            or (bias is not None and (bias.dtype != torch.bfloat16 or bias.device.type != "cpu"))):
+        return None
+    lib = _load()
+    if lib is None or _building.is_set():
+        return None
+    _sync_threads(lib)
+    x2 = x.reshape(-1, k).contiguous()
+    b = None if bias is None else bias.contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16)
+    if not _busy.acquire(blocking=False):
+        return None
+    try:
+        rc = lib.sl_linear_coded(x2.data_ptr(), ctypes.addressof(mat.desc), None if b is None else b.data_ptr(),
+                                 y.data_ptr(), x2.shape[0], n, k)
+    finally:
+        _busy.release()
+    return None if rc != 0 else y.reshape(*x.shape[:-1], n)
 
 
 def bf16_code(words: torch.Tensor, base: int, lo: torch.Tensor | None, nib: torch.Tensor | None) -> int | None:

@@ -103,12 +103,30 @@ static inline uint16_t f32_to_f16(float f) {
 /* ---- dot products of ROWS weight rows with up to MTILE activation rows ------------------------- */
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
 
+/* A bf16 matrix [N, K] in transfer-coded form (engine/sharding/transfer_code.py), read in place by the
+ * matmul: every row lies in one coded chunk (chunks end only at row ends), chunk c holds rows from
+ * first_row[c] on as low bytes and 4-bit codes (sign and the exponent's top bits as an offset from
+ * base[c]; 7: an escape, its word in the sub-layer's escape block, whose positions count words from the
+ * sub-layer's start). */
+typedef struct {
+    int64_t n_chunks;
+    const int64_t *first_row;    /* ascending, first_row[0] = 0 */
+    const uint8_t *const *lo;    /* per chunk: the low byte of each word, from its first row on */
+    const uint8_t *const *nib;   /* per chunk: the codes, two a byte (word 2i low), from its first row on */
+    const uint8_t *base;         /* per chunk */
+    const int32_t *esc_pos;      /* ascending */
+    const uint16_t *esc_val;
+    int64_t n_esc;
+    int64_t word0;               /* the matrix's first word in the sub-layer */
+} coded_mat;
+
 typedef struct {
     int dtype;
     const void *x, *w, *bias;
     void *y;
     int64_t M, N, K;
     const uint32_t *xp;   /* x packed for the AMX tiles (amx_prepare), or NULL */
+    const coded_mat *cw;  /* the weights transfer-coded (bf16, AVX512-BF16 only; w unused), or NULL */
 } linear_job;
 
 static inline float load_elem(int dtype, const void *p, int64_t i) {
@@ -193,6 +211,163 @@ dots_bf16_dp_impl(const void *x, const void *w, int64_t K, const int nr, const i
 }
 #endif
 
+#if defined(__AVX512BF16__)
+static uint16_t coded_escape(const coded_mat *cm, int64_t pos) {
+    int64_t lo = 0, hi = cm->n_esc - 1;
+    while (lo <= hi) {
+        int64_t mid = (lo + hi) / 2;
+        if (cm->esc_pos[mid] < pos) lo = mid + 1;
+        else if (cm->esc_pos[mid] > pos) hi = mid - 1;
+        else return cm->esc_val[mid];
+    }
+    return 0;   /* (not reached: every escape code has its word) */
+}
+
+/* 32 words of row `row` from word k: the low bytes as they are, the high bytes rebuilt from the codes,
+ * escapes taken from the escape block; lanes past K are zero. The same words as the raw matrix holds. */
+static inline int64_t coded_chunk_of(const coded_mat *cm, int64_t row) {
+    int64_t c = cm->n_chunks - 1;
+    while (c > 0 && cm->first_row[c] > row) c--;
+    return c;
+}
+
+static inline __attribute__((always_inline)) __m512i
+coded_words(const coded_mat *cm, int64_t row, int64_t K, int64_t k, __mmask32 m) {
+    int64_t c = coded_chunk_of(cm, row), rr = row - cm->first_row[c];
+    const uint8_t *lo = cm->lo[c] + rr * K + k, *nb = cm->nib[c] + (rr * K + k) / 2;
+    __mmask16 mn = K - k >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << ((K - k + 1) / 2)) - 1);
+    __m512i lo16 = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, lo));
+    __m512i t = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mn, nb));
+    __m512i code = _mm512_or_si512(_mm512_and_si512(t, _mm512_set1_epi32(0xF)),
+                                   _mm512_slli_epi32(_mm512_and_si512(t, _mm512_set1_epi32(0xF0)), 12));
+    __m512i off = _mm512_and_si512(code, _mm512_set1_epi16(7));
+    __m512i hi = _mm512_or_si512(_mm512_slli_epi16(_mm512_and_si512(code, _mm512_set1_epi16(8)), 12),
+                                 _mm512_slli_epi16(_mm512_add_epi16(off, _mm512_set1_epi16(cm->base[c])), 8));
+    __m512i w = _mm512_maskz_mov_epi16(m, _mm512_or_si512(hi, lo16));
+    __mmask32 esc = _mm512_cmpeq_epi16_mask(off, _mm512_set1_epi16(7)) & m;
+    if (esc) {
+        uint16_t tmp[32];
+        _mm512_storeu_si512(tmp, w);
+        int64_t at = cm->word0 + row * K + k;
+        for (int i = 0; i < 32; i++)
+            if (esc >> i & 1) tmp[i] = coded_escape(cm, at + i);
+        w = _mm512_loadu_si512(tmp);
+    }
+    return w;
+}
+
+#if defined(__AVX512VBMI__)
+/* One row's coded bytes and the table of its chunk's high bytes (code -> byte; escapes 0), found once per
+ * row block, not per 64 words. */
+typedef struct {
+    const uint8_t *lo, *nib;
+    __m512i lut;
+} coded_row;
+
+static inline __attribute__((always_inline)) coded_row coded_row_at(const coded_mat *cm, int64_t row, int64_t K) {
+    int64_t c = coded_chunk_of(cm, row), rr = row - cm->first_row[c];
+    uint8_t t[16];
+    int b = cm->base[c];
+    for (int i = 0; i < 7; i++) {
+        t[i] = (uint8_t)(b + i);
+        t[8 + i] = (uint8_t)(0x80 | (b + i));
+    }
+    t[7] = t[15] = 0;
+    coded_row r = {cm->lo[c] + rr * K, cm->nib[c] + rr * K / 2,
+                   _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)t))};
+    return r;
+}
+
+/* 64 words of a row from word k at once, as two vectors of 32 in order (byte permutes: the codes
+ * interleaved, their high bytes from the row's table, then low and high bytes interleaved). */
+static inline __attribute__((always_inline)) void
+coded_words64(const coded_mat *cm, const coded_row *cr, int64_t row, int64_t K, int64_t k, __m512i *w0,
+              __m512i *w1) {
+    int64_t left = K - k;
+    __mmask64 ml = left >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << left) - 1);
+    __mmask32 mn = left >= 64 ? ~(__mmask32)0 : (__mmask32)((1ull << ((left + 1) / 2)) - 1);
+    __m256i n = left >= 64 ? _mm256_loadu_si256((const __m256i *)(cr->nib + k / 2))
+                           : _mm256_maskz_loadu_epi8(mn, cr->nib + k / 2);
+    __m256i ev = _mm256_and_si256(n, _mm256_set1_epi8(0x0F));
+    __m256i od = _mm256_and_si256(_mm256_srli_epi16(n, 4), _mm256_set1_epi8(0x0F));
+    const __m512i ci = _mm512_set_epi8(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                       55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16,
+                                       47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                       39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    __m512i code = _mm512_permutexvar_epi8(ci, _mm512_inserti64x4(_mm512_castsi256_si512(ev), od, 1));
+    __m512i hi = _mm512_shuffle_epi8(cr->lut, code);
+    __m512i l = left >= 64 ? _mm512_loadu_si512(cr->lo + k) : _mm512_maskz_loadu_epi8(ml, cr->lo + k);
+    const __m512i i0 = _mm512_set_epi8(95, 31, 94, 30, 93, 29, 92, 28, 91, 27, 90, 26, 89, 25, 88, 24,
+                                       87, 23, 86, 22, 85, 21, 84, 20, 83, 19, 82, 18, 81, 17, 80, 16,
+                                       79, 15, 78, 14, 77, 13, 76, 12, 75, 11, 74, 10, 73, 9, 72, 8,
+                                       71, 7, 70, 6, 69, 5, 68, 4, 67, 3, 66, 2, 65, 1, 64, 0);
+    const __m512i i1 = _mm512_add_epi8(i0, _mm512_set1_epi8(32));
+    __m512i a = _mm512_permutex2var_epi8(l, i0, hi), z = _mm512_permutex2var_epi8(l, i1, hi);
+    __mmask64 esc = _mm512_cmpeq_epi8_mask(_mm512_or_si512(code, _mm512_set1_epi8(8)), _mm512_set1_epi8(15)) & ml;
+    if (__builtin_expect(esc != 0, 0)) {
+        uint16_t tmp[64];
+        _mm512_storeu_si512(tmp, a);
+        _mm512_storeu_si512(tmp + 32, z);
+        int64_t at = cm->word0 + row * K + k;
+        for (__mmask64 e = esc; e; e &= e - 1) {
+            int i = __builtin_ctzll(e);
+            tmp[i] = coded_escape(cm, at + i);
+        }
+        a = _mm512_loadu_si512(tmp);
+        z = _mm512_loadu_si512(tmp + 32);
+    }
+    *w0 = a;
+    *w1 = z;
+}
+#endif
+
+/* dots_bf16_dp_impl over a coded matrix: the same products in the same order, so the same bits. */
+static inline __attribute__((always_inline)) void
+dots_coded_impl(const void *x, const coded_mat *cm, int64_t K, const int nr, const int nt, int64_t n0,
+                float out[ROWS][MTILE]) {
+    __m512 acc[ROWS][MTILE];
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < MTILE; t++) acc[r][t] = _mm512_setzero_ps();
+#if defined(__AVX512VBMI__)
+    coded_row rows[ROWS];
+    for (int r = 0; r < nr; r++) rows[r] = coded_row_at(cm, n0 + r, K);
+    for (int64_t k = 0; k < K; k += 64) {
+        int64_t left = K - k;
+        __mmask32 m0 = left >= 32 ? ~(__mmask32)0 : (__mmask32)((1ull << left) - 1);
+        __mmask32 m1 = left >= 64 ? ~(__mmask32)0 : left > 32 ? (__mmask32)((1ull << (left - 32)) - 1) : 0;
+        __m512bh x0[MTILE], x1[MTILE];
+        for (int t = 0; t < nt; t++) {
+            x0[t] = (__m512bh)_mm512_maskz_loadu_epi16(m0, (const uint16_t *)x + (size_t)t * K + k);
+            x1[t] = (__m512bh)_mm512_maskz_loadu_epi16(m1, (const uint16_t *)x + (size_t)t * K + k + 32);
+        }
+        for (int r = 0; r < nr; r++) {
+            __m512i w0, w1;
+            coded_words64(cm, &rows[r], n0 + r, K, k, &w0, &w1);
+            w0 = _mm512_maskz_mov_epi16(m0, w0);     /* (lanes past K: zero, as the raw kernel loads them) */
+            for (int t = 0; t < nt; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], x0[t], (__m512bh)w0);
+            if (m1) {
+                w1 = _mm512_maskz_mov_epi16(m1, w1);
+                for (int t = 0; t < nt; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], x1[t], (__m512bh)w1);
+            }
+        }
+    }
+#else
+    for (int64_t k = 0; k < K; k += 32) {
+        __mmask32 m = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (K - k)) - 1);
+        __m512bh xv[MTILE];
+        for (int t = 0; t < nt; t++)
+            xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)x + (size_t)t * K + k);
+        for (int r = 0; r < nr; r++) {
+            __m512bh wv = (__m512bh)coded_words(cm, n0 + r, K, k, m);
+            for (int t = 0; t < nt; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv[t], wv);
+        }
+    }
+#endif
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
+}
+#endif
+
 /* Full row blocks get compile-time tile sizes, so the accumulators stay in registers. */
 #define DISPATCH(CALL)                                                                                    \
     do {                                                                                                  \
@@ -221,6 +396,12 @@ static void dots_bf16_dp(const void *x, const void *w, int64_t K, int nr, int nt
                          float out[ROWS][MTILE]) {
 #define BF16_CALL(R, T) dots_bf16_dp_impl(x, w, K, R, T, n0, out)
     DISPATCH(BF16_CALL);
+}
+
+static void dots_coded(const void *x, const coded_mat *cm, int64_t K, int nr, int nt, int64_t n0,
+                       float out[ROWS][MTILE]) {
+#define CODED_CALL(R, T) dots_coded_impl(x, cm, K, R, T, n0, out)
+    DISPATCH(CODED_CALL);
 }
 #endif
 
@@ -384,7 +565,7 @@ static int64_t amx_rows(const linear_job *j, int64_t n_begin, int64_t n_end) {
 }
 
 static inline int amx_applies(const linear_job *j) {
-    return amx_state == 1 && j->dtype == DT_BF16 && j->M >= MIN_AMX_ROWS && j->K % 32 == 0;
+    return amx_state == 1 && !j->cw && j->dtype == DT_BF16 && j->M >= MIN_AMX_ROWS && j->K % 32 == 0;
 }
 
 static void run_pool(void (*task)(const void *, int64_t), const void *arg, int64_t chunks);
@@ -472,7 +653,8 @@ static void linear_rows(const linear_job *j, int64_t n_begin, int64_t n_end) {
             int nt = (int)(j->M - m0 < MTILE ? j->M - m0 : MTILE);
             const void *xm = (const char *)j->x + (size_t)m0 * j->K * es;
 #if defined(__AVX512BF16__)
-            if (j->dtype == DT_BF16) dots_bf16_dp(xm, j->w, j->K, nr, nt, n, out);
+            if (j->cw) dots_coded(xm, j->cw, j->K, nr, nt, n, out);
+            else if (j->dtype == DT_BF16) dots_bf16_dp(xm, j->w, j->K, nr, nt, n, out);
             else dots_avx512(j->dtype, xm, j->w, j->K, nr, nt, n, out);
 #elif defined(__AVX512F__)
             dots_avx512(j->dtype, xm, j->w, j->K, nr, nt, n, out);
@@ -669,8 +851,30 @@ static int run_jobs(linear_job *jobs, int n_jobs) {
 int sl_linear(int dtype, const void *x, const void *w, const void *bias, void *y, int64_t M, int64_t N,
               int64_t K) {
     if (dtype < 0 || dtype > 2 || M < 0 || N < 0 || K < 0) return -1;
-    linear_job j = {dtype, x, w, bias, y, M, N, K, NULL};
+    linear_job j = {dtype, x, w, bias, y, M, N, K, NULL, NULL};
     return run_jobs(&j, 1);
+}
+
+/* y = x @ w.T (+ bias) for a bf16 matrix in transfer-coded form (`coded_mat`), the same bits as sl_linear
+ * over the raw matrix; -1 where it does not apply (no AVX512-BF16, an odd K). */
+int sl_linear_coded(const void *x, const coded_mat *cw, const void *bias, void *y, int64_t M, int64_t N,
+                    int64_t K) {
+#if defined(__AVX512BF16__)
+    if (M < 0 || N < 0 || K < 0 || K % 2 || !cw || cw->n_chunks < 1 || cw->first_row[0] != 0) return -1;
+    linear_job j = {DT_BF16, x, NULL, bias, y, M, N, K, NULL, cw};
+    return run_jobs(&j, 1);
+#else
+    (void)x; (void)cw; (void)bias; (void)y; (void)M; (void)N; (void)K;
+    return -1;
+#endif
+}
+
+int sl_coded_ready(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* y[i] = x[i] @ w[i].T for i < n_jobs, every w[i] [N, K] and x[i] [M[i], K] (the experts a step routes
@@ -682,7 +886,7 @@ int sl_linear_batch(int dtype, int n_jobs, const void *const *x, const void *con
     linear_job jobs[MAX_BATCH];
     for (int i = 0; i < n_jobs; i++) {
         if (M[i] < 0) return -1;
-        linear_job j = {dtype, x[i], w[i], NULL, y[i], M[i], N, K, NULL};
+        linear_job j = {dtype, x[i], w[i], NULL, y[i], M[i], N, K, NULL, NULL};
         jobs[i] = j;
     }
     return run_jobs(jobs, n_jobs);
@@ -1415,7 +1619,7 @@ int sl_moe_layer(int dtype, int ndtype, int rdtype, const void *x, int64_t t, co
     uint16_t *sum = yw + (size_t)m * H;                   /* [t][H] */
 
     sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, t, H, 0, 0, eps);
-    linear_job rj = {rdtype, h, router, NULL, logits, t, E, H, NULL};
+    linear_job rj = {rdtype, h, router, NULL, logits, t, E, H, NULL, NULL};
     if (rdtype == DT_F32) {
         for (int64_t i = 0; i < t * H; i++) h32[i] = load_elem(dtype, h, i);
         rj.x = h32;
@@ -1449,11 +1653,11 @@ int sl_moe_layer(int dtype, int ndtype, int rdtype, const void *x, int64_t t, co
     for (int64_t q = 0; q < nx; q++) {
         int64_t a = starts[q], c = starts[q + 1] - a, e = experts[q];
         if (fused) {
-            linear_job j = {dtype, hx + a * H, gate[e], NULL, gu + a * 2 * I, c, 2 * I, H, NULL};
+            linear_job j = {dtype, hx + a * H, gate[e], NULL, gu + a * 2 * I, c, 2 * I, H, NULL, NULL};
             jobs[q] = j;
         } else {
-            linear_job jg = {dtype, hx + a * H, gate[e], NULL, gu + a * I, c, I, H, NULL};
-            linear_job ju = {dtype, hx + a * H, up[e], NULL, gu + (m + a) * I, c, I, H, NULL};
+            linear_job jg = {dtype, hx + a * H, gate[e], NULL, gu + a * I, c, I, H, NULL, NULL};
+            linear_job ju = {dtype, hx + a * H, up[e], NULL, gu + (m + a) * I, c, I, H, NULL, NULL};
             jobs[q] = jg;
             jobs[nx + q] = ju;
         }
@@ -1465,7 +1669,7 @@ int sl_moe_layer(int dtype, int ndtype, int rdtype, const void *x, int64_t t, co
         sl_silu_mul(dtype, gu, gu + m * I, act, m * I);
     for (int64_t q = 0; q < nx; q++) {
         int64_t a = starts[q], c = starts[q + 1] - a;
-        linear_job j = {dtype, act + a * I, down[experts[q]], NULL, y + a * H, c, H, I, NULL};
+        linear_job j = {dtype, act + a * I, down[experts[q]], NULL, y + a * H, c, H, I, NULL, NULL};
         jobs[q] = j;
     }
     run_jobs(jobs, (int)nx);
@@ -1563,7 +1767,7 @@ int sl_attn_decode_many(int dtype, int ndtype, const void *x, int64_t B, int64_t
 
     sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, B, H, 0, 0, eps);
     PHASE(attn_phase_s, 0, t0);
-    linear_job j1 = {dtype, h, qkv_w, qkv_b, qkv, B, nqkv, H, NULL};
+    linear_job j1 = {dtype, h, qkv_w, qkv_b, qkv, B, nqkv, H, NULL, NULL};
     run_jobs(&j1, 1);
     PHASE(attn_phase_s, 1, t0);
     for (int64_t b = 0; b < B; b++) {
@@ -1598,7 +1802,7 @@ int sl_attn_decode_many(int dtype, int ndtype, const void *x, int64_t B, int64_t
                                 nkv, d, d, d, scale);
     PHASE(attn_phase_s, 3, t0);
     if (rc == 0) {
-        linear_job j2 = {dtype, att, o_w, NULL, o, B, H, nq, NULL};
+        linear_job j2 = {dtype, att, o_w, NULL, o, B, H, nq, NULL, NULL};
         run_jobs(&j2, 1);
         for (int64_t i = 0; i < B * H; i++)
             store_elem(dtype, out, i, load_elem(dtype, x, i) + load_elem(dtype, o, i));
@@ -1637,18 +1841,18 @@ int sl_ffn_layer(int dtype, int ndtype, const void *x, int64_t t, int64_t H, con
     sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, t, H, 0, 0, eps);
     PHASE(ffn_phase_s, 0, t0);
     if (up == NULL) {
-        linear_job j = {dtype, h, gate, NULL, gu, t, 2 * I, H, NULL};
+        linear_job j = {dtype, h, gate, NULL, gu, t, 2 * I, H, NULL, NULL};
         run_jobs(&j, 1);
         PHASE(ffn_phase_s, 1, t0);
         for (int64_t r = 0; r < t; r++) sl_silu_mul(dtype, gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
     } else {
-        linear_job jobs[2] = {{dtype, h, gate, NULL, gu, t, I, H, NULL}, {dtype, h, up, NULL, gu + t * I, t, I, H, NULL}};
+        linear_job jobs[2] = {{dtype, h, gate, NULL, gu, t, I, H, NULL, NULL}, {dtype, h, up, NULL, gu + t * I, t, I, H, NULL, NULL}};
         run_jobs(jobs, 2);
         PHASE(ffn_phase_s, 1, t0);
         sl_silu_mul(dtype, gu, gu + t * I, act, t * I);
     }
     PHASE(ffn_phase_s, 2, t0);
-    linear_job jd = {dtype, act, down, NULL, y, t, H, I, NULL};
+    linear_job jd = {dtype, act, down, NULL, y, t, H, I, NULL, NULL};
     run_jobs(&jd, 1);
     for (int64_t i = 0; i < t * H; i++) store_elem(dtype, out, i, load_elem(dtype, x, i) + load_elem(dtype, y, i));
     PHASE(ffn_phase_s, 3, t0);

@@ -23,6 +23,7 @@ garbage and the escape block, applied last, puts them right: one small operation
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from dataclasses import dataclass
@@ -109,17 +110,50 @@ def _coded_bytes(words: int) -> int:
     return words + (words + 1) // 2
 
 
-def plan(raw: torch.Tensor, chunk_words: int = CHUNK_WORDS) -> tuple[tuple[Chunk, ...], int, int] | None:
+def chunk_bounds(total_words: int, chunk_words: int = CHUNK_WORDS,
+                 segments: list[tuple[int, int, int]] | None = None) -> list[tuple[int, int]]:
+    """(first word, words) of each chunk: runs of up to `chunk_words`. `segments`: (first word, words, words
+    a row) of each tensor in the buffer, in order and covering it (a tensor's segment runs to the next
+    one's start, padding included). A chunk then ends only where a row of the tensor it ends in does (or
+    at a tensor's end), so no row of a matrix straddles two chunks and the CPU can read each row from one
+    chunk's bytes and base; small tensors share chunks with their neighbours. A row longer than a chunk
+    is a chunk of its own."""
+    segments = segments or [(0, total_words, 1)]
+    out, start, cur = [], 0, 0
+    for s0, words, row in segments:
+        p, end, row = s0, s0 + words, max(int(row), 1)
+        while p < end:
+            room = chunk_words - cur
+            if end - p <= room:
+                cur += end - p
+                p = end
+                continue
+            take = room // row * row
+            if take == 0 and cur == 0:
+                take = min(row, end - p)
+            if take == 0:
+                out.append((start, cur))
+                start, cur = p, 0
+                continue
+            cur += take
+            p += take
+            out.append((start, cur))
+            start, cur = p, 0
+    if cur:
+        out.append((start, cur))
+    return out
+
+
+def plan(raw: torch.Tensor, chunk_words: int = CHUNK_WORDS,
+         segments: list[tuple[int, int, int]] | None = None) -> tuple[tuple[Chunk, ...], int, int] | None:
     """How a packed buffer (uint8, bf16 words) codes: (chunks, the escape block's offset, escapes), from one
     counting pass; None if it is not whole words or no chunk gets smaller. Its coded form takes
-    `coded_size(...)` bytes."""
+    `coded_size(...)` bytes. `segments`: see `chunk_bounds`."""
     n = raw.numel()
     if n % 2 or n // 2 >= 1 << 31:
         return None
-    total_words = n // 2
     chunks, off, escapes = [], 0, 0
-    for w0 in range(0, total_words, chunk_words):
-        w = min(chunk_words, total_words - w0)
+    for w0, w in chunk_bounds(n // 2, chunk_words, segments):
         part = raw[2 * w0:2 * (w0 + w)]
         base = _choose_base(part)
         esc = _count_escapes(part, base)
@@ -249,6 +283,42 @@ class Program:
             steps.append((k, src, st, lambda st=st, n=n: apply_escapes(st, n, dst16)))
         self.steps = tuple(steps)
         self.any_raw = any(s[0] is None for s in steps)
+
+
+class CpuMatrix:
+    """A bf16 matrix [n, k] of a coded sub-layer as the native matmul reads it in place (`kernels.CodedMat`):
+    per chunk it lies in, its first row there and that row's low bytes and codes, the chunk's base; and the
+    sub-layer's escape block. Holds what it points into. Raises ValueError where a chunk of it is raw."""
+
+    def __init__(self, coded: CodedBuffer, word0: int, n: int, k: int):
+        from engine.kernels import CodedMat
+
+        if k % 2 or word0 % 2 or n < 1:
+            raise ValueError("not a coded matrix: odd rows or start")
+        end = word0 + n * k
+        mine = [c for c in coded.chunks if c.raw_off // 2 < end and c.raw_off // 2 + c.words > word0]
+        first, lo, nib, base = [], [], [], []
+        p = coded.host.data_ptr()
+        for c in mine:
+            w = max(c.raw_off // 2, word0)                 # this chunk's first word of the matrix
+            if not c.coded or (w - word0) % k:
+                raise ValueError("not a coded matrix: a chunk of it is raw or cuts a row")
+            rel = w - c.raw_off // 2
+            first.append((w - word0) // k)
+            lo.append(p + c.off + rel)
+            nib.append(p + c.off + c.words + rel // 2)
+            base.append(c.base)
+        if not mine or first[0] != 0:
+            raise ValueError("not a coded matrix: its chunks do not cover it")
+        m = len(mine)
+        self._first = (ctypes.c_int64 * m)(*first)
+        self._lo = (ctypes.c_void_p * m)(*lo)
+        self._nib = (ctypes.c_void_p * m)(*nib)
+        self._base = (ctypes.c_uint8 * m)(*base)
+        self._host = coded.host
+        self.desc = CodedMat(m, self._first, self._lo, self._nib, self._base, p + coded.esc_off,
+                             p + coded.esc_off + 4 * coded.escapes, coded.escapes, word0)
+        self.shape = (n, k)
 
 
 def decode(coded: CodedBuffer, dst: torch.Tensor | None = None) -> torch.Tensor:

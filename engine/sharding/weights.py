@@ -69,8 +69,10 @@ class SubLayerWeights:
         self.nbytes = off
         if buf is None:
             buf = host_buffers([off], pin)[0]
-        for s, t in zip(layout, tensors.values()):
+        ends = [s.offset for s in layout[1:]] + [off]
+        for s, t, end in zip(layout, tensors.values(), ends):
             buf[s.offset:s.offset + s.nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
+            buf[s.offset + s.nbytes:end].zero_()         # (padding: the same bytes every time)
         self.host = buf
         self._stacks = _expert_stacks(self.layout)
         self._host_views = self.views(buf)
@@ -105,6 +107,13 @@ class SubLayerWeights:
     @property
     def host_views(self) -> dict[str, torch.Tensor]:
         return self._host_views
+
+    def row_segments(self) -> list[tuple[int, int, int]]:
+        """(first word, words, words a row) of each tensor in the buffer, each running to the next one's start
+        (its padding included): how transfer coding cuts its chunks (`transfer_code.chunk_bounds`)."""
+        ends = [s.offset for s in self.layout[1:]] + [self.nbytes]
+        return [(s.offset // 2, (end - s.offset) // 2, s.shape[-1] if len(s.shape) > 1 else (end - s.offset) // 2)
+                for s, end in zip(self.layout, ends)]
 
 
 def _expert_stacks(layout: tuple[TensorSlot, ...]) -> list[tuple] | None:
@@ -199,7 +208,7 @@ class WeightStore:
         for name, sw in self.sublayers.items():
             if name == "embed" or sw.nbytes < floor or any(s.dtype != torch.bfloat16 for s in sw.layout):
                 continue
-            layout = plan(sw.host)
+            layout = plan(sw.host, segments=sw.row_segments())
             if layout is not None:
                 layouts[name] = layout
         bufs = host_buffers([coded_size(*lay[1:]) for lay in layouts.values()], pin)   # packed, as the raw ones

@@ -8,6 +8,7 @@ staging ring is booked as the planner's VRAM math says.
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -278,3 +279,66 @@ def test_the_rate_bench_runs_its_steps_on_sim(tmp_path):
     assert got["exact"] and got["device"] == "sim" and 0.74 < got["ratio"] < 0.76 and got["escapes"] > 0
     assert set(got["rows"]) == {"plain copy", "coded copy", "GPU decode alone"}
     assert all(r["median_ms"] > 0 for r in got["rows"].values()) and "issue_us" in got["rows"]["coded copy"]
+
+
+def test_chunks_end_only_at_row_ends_and_cover_the_buffer():
+    segs = [(0, 100, 100), (100, 64 * 50 + 6, 64), (3306, 30 * 40, 40), (4506, 2, 2)]   # (a 1-D tensor first)
+    bounds = tc.chunk_bounds(4508, 1000, segs)
+    assert bounds[0][0] == 0 and all(a + n == b for (a, n), (b, _) in itertools.pairwise(bounds))
+    assert sum(n for _, n in bounds) == 4508 and all(n <= 1000 for _, n in bounds)
+    for a, n in bounds:                      # every chunk end falls on a row end of the tensor it ends in
+        end = a + n
+        s0, words, row = next(s for s in segs if s[0] < end <= s[0] + s[1])
+        assert (end - s0) % row == 0 or end == s0 + words
+    assert tc.chunk_bounds(10, 4, [(0, 10, 7)]) == [(0, 7), (7, 3)]     # a row longer than a chunk
+
+
+@pytest.mark.parametrize("k,chunk_rows", [(128, 7), (100, 3), (4096, 40)])
+def test_the_cpu_matmul_reads_a_coded_matrix_to_the_same_bits(k, chunk_rows):
+    """`kernels.linear_coded` over a matrix in coded form (sharing its first chunk with a tensor before it,
+    escapes inside, a K that is no multiple of 64) gives `kernels.linear`'s bits over the raw matrix."""
+    from engine import kernels
+
+    if not kernels.coded_ready():
+        pytest.skip("the native kernel does not read coded matrices on this CPU (no AVX512-BF16)")
+    g = torch.Generator().manual_seed(k)
+    n = 61
+    before = (torch.randn(3 * k, generator=g) * 0.1).to(torch.bfloat16)           # a tensor before it
+    w = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+    w.view(-1)[::331] = _special().repeat(200)[:len(w.view(-1)[::331])].nan_to_num(0.0, 1e3, -1e3)
+    raw = _bytes(torch.cat([before, w.view(-1)]))
+    layout = tc.plan(raw, chunk_words=chunk_rows * k, segments=[(0, 3 * k, 3 * k), (3 * k, n * k, k)])
+    coded = tc.encode_into(raw, layout, torch.empty(tc.coded_size(*layout[1:]), dtype=torch.uint8))
+    assert coded.escapes > 0 and len(coded.chunks) > 1
+    mat = tc.CpuMatrix(coded, 3 * k, n, k)
+    for m in (1, 2, 5):
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+        want = kernels.linear(x, w, min_weights=0)
+        got = kernels.linear_coded(x, mat, n, k)
+        assert want is not None and got is not None and torch.equal(got, want)
+
+
+def test_a_matrix_with_a_raw_chunk_is_not_read_coded():
+    g = torch.Generator().manual_seed(9)
+    w = torch.cat([(torch.randn(4000, generator=g) * 0.02).to(torch.bfloat16),
+                   torch.randn(2000, generator=g).view(torch.bfloat16)])        # float32 bytes: a raw chunk
+    raw = _bytes(w)
+    layout = tc.plan(raw, chunk_words=2000, segments=[(0, 8000, 100)])
+    coded = tc.encode_into(raw, layout, torch.empty(tc.coded_size(*layout[1:]), dtype=torch.uint8))
+    assert any(not c.coded for c in coded.chunks)
+    with pytest.raises(ValueError):
+        tc.CpuMatrix(coded, 0, 80, 100)
+    assert tc.CpuMatrix(coded, 0, 20, 100).shape == (20, 100)                   # its coded rows alone
+
+
+def test_the_coded_matmul_bench_checks_its_bits(tmp_path):
+    import json
+
+    from engine import kernels
+    from engine.bench import coded_matmul
+
+    if not kernels.coded_ready():
+        pytest.skip("no AVX512-BF16 here")
+    assert coded_matmul.main(["--shapes", "down", "--rows", "1", "--reps", "2", "--out", str(tmp_path)]) == 0
+    got = json.loads((tmp_path / "coded_matmul.json").read_text())
+    assert got["exact"] and got["rows"][0]["shape"] == "down [4096, 14336]" and got["rows"][0]["coded_ms"] > 0

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Session 23's next call, BE (written, not run; about 8 min): what session 23 changed after its last GPU call.
-# 1) transfer_code_rate (its fixed decode-alone row, the host time to issue a copy: issue_us).
+# 1) transfer_code_rate (its fixed decode-alone row, the host time to issue a copy: issue_us); coded_matmul (the
+#    native CPU matmul reading coded matrices in place against raw: on this host's 16 cores, does it gain?).
 # 2) The CUDA tests of transfer coding and the executor (the store now packs its coded buffers into a few
 #    pinned chunks after a counting pass; the CUDA decode is checked at open and a failure leaves raw streaming).
 # 3) The suite's Llama rows at 4 GiB with coding off and on, processes taking turns (off, on, on, off): the
@@ -14,6 +15,9 @@ T0=$(date +%s); step() { echo "=== $1 ($(( $(date +%s) - T0 )) s)"; }
 step "rate"
 timeout 90 python3 -m engine.bench.transfer_code_rate --mib 448 --reps 10 --out $W/rate > $W/rate.log 2>&1; echo "rc=$?"
 grep -v USDT $W/rate.log | tail -7
+step "the CPU matmul over coded matrices (16 cores)"
+timeout 60 python3 -m engine.bench.coded_matmul --out $W/coded_matmul > $W/coded_matmul.log 2>&1; echo "rc=$?"
+tail -7 $W/coded_matmul.log
 step "CUDA tests"
 SLIPSTREAM_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider --tb=short \
   tests/engine/test_transfer_code.py tests/engine/test_executor.py 2>&1 | grep -v "^  *File\|^$" | tail -30 > $W/tests.txt
