@@ -62,8 +62,8 @@ def main(argv=None) -> int:
             x = torch.randn(m, k, generator=g).to(torch.bfloat16)
             want, got = kernels.linear(x, w, min_weights=0), kernels.linear_coded(x, mat, n, k)
             exact = exact and want is not None and got is not None and torch.equal(want, got)
-            t_raw = _median_s(lambda: kernels.linear(x, w, min_weights=0), a.reps)
-            t_coded = _median_s(lambda: kernels.linear_coded(x, mat, n, k), a.reps)
+            t_raw = _median_s(lambda x=x, w=w: kernels.linear(x, w, min_weights=0), a.reps)
+            t_coded = _median_s(lambda x=x, mat=mat, n=n, k=k: kernels.linear_coded(x, mat, n, k), a.reps)
             rows_out.append({"shape": f"{name} [{n}, {k}]", "rows": m, "raw_ms": round(t_raw * 1e3, 3),
                              "coded_ms": round(t_coded * 1e3, 3),
                              "raw_gbps": round(2 * n * k / t_raw / 1e9, 1),

@@ -200,6 +200,10 @@ def _load():
                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
         lib.sl_linear_coded.restype = ctypes.c_int
         lib.sl_coded_ready.restype = ctypes.c_int
+        lib.sl_ffn_layer_coded.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p,
+                                           ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                           ctypes.c_void_p]
+        lib.sl_ffn_layer_coded.restype = ctypes.c_int
         lib.sl_phase_timing.argtypes = [ctypes.c_int]
         lib.sl_phase_timing.restype = None
         lib.sl_phase_read.argtypes = [ctypes.c_void_p]
@@ -741,15 +745,46 @@ def ffn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float) -> torch.
     lib = _lib
     _sync_threads(lib)
     out = torch.empty_like(x)
+    coded = _coded.get(gate.data_ptr()) if up is None and _coded else None
+    coded_down = _coded.get(down.data_ptr()) if coded is not None else None
     if not _busy.acquire(blocking=False):
         return None
     try:
+        if coded_down is not None and coded.shape == tuple(gate.shape) and coded_down.shape == tuple(down.shape):
+            rc = lib.sl_ffn_layer_coded(x.data_ptr(), t, H, _DTYPES[nw.dtype], nw.data_ptr(), float(eps),
+                                        ctypes.addressof(coded.desc), ctypes.addressof(coded_down.desc), inter,
+                                        out.data_ptr())
+            if rc == 0:
+                global coded_ffn_calls
+                coded_ffn_calls += 1
+                return out
         rc = lib.sl_ffn_layer(_DTYPES[x.dtype], _DTYPES[nw.dtype], x.data_ptr(), t, H, nw.data_ptr(), float(eps),
                               gate.data_ptr(), None if up is None else up.data_ptr(), down.data_ptr(), inter,
                               out.data_ptr())
     finally:
         _busy.release()
     return out if rc == 0 else None
+
+
+# Raw matrices (by address) whose transfer-coded form the native FFN call reads instead (`read_coded`), and
+# how many FFN calls did so
+_coded: dict[int, object] = {}
+coded_ffn_calls = 0
+
+
+def read_coded(raw: torch.Tensor, mat) -> None:
+    """From now on `ffn_layer` reads matrix `raw` (bf16 [n, k] on the CPU) from `mat`, its transfer-coded form
+    (a `transfer_code.CpuMatrix`), where its FFN's gate_up and down both have one: the same bits, three
+    quarters of the bytes (opt-in: `SLIPSTREAM_CPU_CODED=1`, see `engine.sharding.weights`)."""
+    if mat.shape != tuple(raw.shape) or raw.dtype != torch.bfloat16:
+        raise ValueError("read_coded: the coded matrix is not this one")
+    _coded[raw.data_ptr()] = mat
+
+
+def forget_coded(raws) -> None:
+    """Stop reading these raw matrices coded (their store closes)."""
+    for t in raws:
+        _coded.pop(t.data_ptr(), None)
 
 
 def weighted_sum(out: torch.Tensor, y: torch.Tensor, wt: torch.Tensor, from_zero: bool = False) -> bool:

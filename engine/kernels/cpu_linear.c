@@ -1827,8 +1827,31 @@ int sl_attn_decode(int dtype, int ndtype, const void *x, int64_t H, const void *
  * [2I, H] matrix (up NULL) or two [I, H] ones. The tensor path's steps and roundings (dense.ffn_block with
  * the library's norm and matmuls, sl_silu_mul, the residual add rounded), in one call instead of four
  * PyTorch ops and three library calls. Returns 0, or -1 for an unsupported dtype. */
+static int ffn_layer(int dtype, int ndtype, const void *x, int64_t t, int64_t H, const void *norm_w, float eps,
+                     const void *gate, const void *up, const void *down, int64_t I, void *out,
+                     const coded_mat *cgu, const coded_mat *cdown);
+
 int sl_ffn_layer(int dtype, int ndtype, const void *x, int64_t t, int64_t H, const void *norm_w, float eps,
                  const void *gate, const void *up, const void *down, int64_t I, void *out) {
+    return ffn_layer(dtype, ndtype, x, t, H, norm_w, eps, gate, up, down, I, out, NULL, NULL);
+}
+
+/* sl_ffn_layer with gate and up (one [2I, H] matrix) and down read in place from their transfer-coded form
+ * (`coded_mat`; bf16 and AVX512-BF16 only): the same bits. */
+int sl_ffn_layer_coded(const void *x, int64_t t, int64_t H, int ndtype, const void *norm_w, float eps,
+                       const coded_mat *gate_up, const coded_mat *down, int64_t I, void *out) {
+#if defined(__AVX512BF16__)
+    if (!gate_up || !down || H % 2 || I % 2) return -1;
+    return ffn_layer(DT_BF16, ndtype, x, t, H, norm_w, eps, NULL, NULL, NULL, I, out, gate_up, down);
+#else
+    (void)x; (void)t; (void)H; (void)ndtype; (void)norm_w; (void)eps; (void)gate_up; (void)down; (void)I; (void)out;
+    return -1;
+#endif
+}
+
+static int ffn_layer(int dtype, int ndtype, const void *x, int64_t t, int64_t H, const void *norm_w, float eps,
+                     const void *gate, const void *up, const void *down, int64_t I, void *out,
+                     const coded_mat *cgu, const coded_mat *cdown) {
     if ((dtype != DT_BF16 && dtype != DT_F16) || (ndtype != dtype && ndtype != DT_F32) || t < 1 || H <= 0 || I <= 0)
         return -1;
     if (pool.n == 0) sl_set_threads(1, -1);
@@ -1841,7 +1864,7 @@ int sl_ffn_layer(int dtype, int ndtype, const void *x, int64_t t, int64_t H, con
     sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, t, H, 0, 0, eps);
     PHASE(ffn_phase_s, 0, t0);
     if (up == NULL) {
-        linear_job j = {dtype, h, gate, NULL, gu, t, 2 * I, H, NULL, NULL};
+        linear_job j = {dtype, h, gate, NULL, gu, t, 2 * I, H, NULL, cgu};
         run_jobs(&j, 1);
         PHASE(ffn_phase_s, 1, t0);
         for (int64_t r = 0; r < t; r++) sl_silu_mul(dtype, gu + r * 2 * I, gu + r * 2 * I + I, act + r * I, I);
@@ -1852,7 +1875,7 @@ int sl_ffn_layer(int dtype, int ndtype, const void *x, int64_t t, int64_t H, con
         sl_silu_mul(dtype, gu, gu + t * I, act, t * I);
     }
     PHASE(ffn_phase_s, 2, t0);
-    linear_job jd = {dtype, act, down, NULL, y, t, H, I, NULL, NULL};
+    linear_job jd = {dtype, act, down, NULL, y, t, H, I, NULL, cdown};
     run_jobs(&jd, 1);
     for (int64_t i = 0; i < t * H; i++) store_elem(dtype, out, i, load_elem(dtype, x, i) + load_elem(dtype, y, i));
     PHASE(ffn_phase_s, 3, t0);

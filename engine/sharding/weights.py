@@ -19,6 +19,7 @@ three quarters of the PCIe time. Routed expert copies, resident copies and the C
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from engine.sharding.device import Accelerator, host_buffers
 from engine.sharding.transfer_code import (
     N_STAGES,
     CodedBuffer,
+    CpuMatrix,
     Program,
     coded_size,
     encode_into,
@@ -196,6 +198,7 @@ class WeightStore:
         self.slot_bytes = 0
         self._slot_views: dict[tuple[int, str], dict[str, torch.Tensor]] = {}   # dropped with the slots
         self.coded: dict[str, CodedBuffer] = {}
+        self._read_coded: list[torch.Tensor] = []      # raw matrices the CPU reads coded (SLIPSTREAM_CPU_CODED)
         self.stages: Stages | None = None
         if transfer_code and accel is not None:
             self.code_for_transfer(pin)
@@ -216,6 +219,32 @@ class WeightStore:
             self.coded[name] = encode_into(self.sublayers[name].host, layout, buf)
         if self.coded and self.accel.kind == "cuda":
             warm_up(self.accel.device)
+        if self.coded and os.environ.get("SLIPSTREAM_CPU_CODED", "0") == "1":
+            self._read_coded_on_cpu()
+
+    def _read_coded_on_cpu(self) -> None:
+        """Opt-in (`SLIPSTREAM_CPU_CODED=1`, for A/B runs; the estimator still prices raw bytes): the native
+        FFN call reads each coded dense FFN's gate_up and down from the coded copy (`kernels.read_coded`),
+        where this CPU can (AVX512-BF16)."""
+        from engine import kernels
+
+        if not kernels.coded_ready():
+            return
+        for name, coded in self.coded.items():
+            views = self.sublayers[name].host_views
+            mats = []
+            for key, first in (("gate_up.weight", "gate.weight"), ("down.weight", "down.weight")):
+                t, slot = views.get(key), next((x for x in self.sublayers[name].layout if x.local == first), None)
+                if t is None or slot is None or t.dim() != 2:
+                    break
+                try:
+                    mats.append((t, CpuMatrix(coded, slot.offset // 2, *t.shape)))
+                except ValueError:
+                    break
+            if len(mats) == 2:
+                for t, mat in mats:
+                    kernels.read_coded(t, mat)
+                    self._read_coded.append(t)
 
     @property
     def stage_bytes(self) -> int:
@@ -279,6 +308,11 @@ class WeightStore:
             self.stages = None
 
     def close(self) -> None:
+        if self._read_coded:
+            from engine import kernels
+
+            kernels.forget_coded(self._read_coded)
+            self._read_coded = []
         if self.accel is not None:
             for name in list(self.resident):
                 self.evict(name)

@@ -342,3 +342,33 @@ def test_the_coded_matmul_bench_checks_its_bits(tmp_path):
     assert coded_matmul.main(["--shapes", "down", "--rows", "1", "--reps", "2", "--out", str(tmp_path)]) == 0
     got = json.loads((tmp_path / "coded_matmul.json").read_text())
     assert got["exact"] and got["rows"][0]["shape"] == "down [4096, 14336]" and got["rows"][0]["coded_ms"] > 0
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
+def test_cpu_ffns_read_coded_give_the_same_tokens(tiny_model, monkeypatch, arch):
+    """`SLIPSTREAM_CPU_CODED=1`: the native FFN call reads coded gate_up and down on the CPU; the logits and
+    greedy tokens of a plan with every FFN on the CPU are those of the same plan reading raw weights."""
+    from engine import kernels
+
+    if not kernels.coded_ready():
+        pytest.skip("no AVX512-BF16 here")
+    from engine.backends.torch_engine import TorchEngine
+
+    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu_planset)
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE", "1")
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE_MIN", "0")
+    monkeypatch.setattr(tc, "CHUNK_WORDS", 1 << 12)          # several chunks to an FFN of the tiny model
+    path = tiny_model(arch, dtype="bfloat16", intermediate_size=512, hidden_size=256)   # (native-sized matrices)
+    out = {}
+    for coded in ("0", "1"):
+        monkeypatch.setenv("SLIPSTREAM_CPU_CODED", coded)
+        eng = engine.open_model(path, device="sim", backend="torch", vram_budget="1GiB")
+        assert bool(eng.executor.store._read_coded) is (coded == "1")
+        before = kernels.coded_ffn_calls
+        logits = eng.score(list(range(3, 11)))[-4:]
+        tokens = [e.token_id for e in eng.generate("a b c", max_new_tokens=8)]
+        out[coded] = (logits, tokens, kernels.coded_ffn_calls - before)
+        eng.close()
+    assert not kernels._coded                               # forgotten when the store closed
+    assert torch.equal(out["1"][0], out["0"][0]) and out["1"][1] == out["0"][1]
+    assert out["0"][2] == 0 and out["1"][2] > 0              # the native call read coded weights
