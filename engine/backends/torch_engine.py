@@ -572,7 +572,8 @@ class TorchEngine(Engine):
         """Whether streamed bf16 sub-layers move transfer-coded (`engine.sharding.transfer_code`): lossless,
         25% fewer bytes over PCIe, for a coded copy in host memory of 75% of the weights' bytes.
         By default on where the host has room for the copy beside a reserve for everything else (a quarter
-        of its memory, at least 4 GiB); `SLIPSTREAM_TRANSFER_CODE=1`/`0` decides instead. On CUDA it also
+        of its memory, at least 4 GiB), and room while the engine opens (the packed buffers and the coded
+        copy beside the weights as loaded, 2 GiB to spare); `SLIPSTREAM_TRANSFER_CODE=1`/`0` decides instead. On CUDA it also
         needs the fused decode to build and run here (`transfer_code.cuda_decode_works`: Triton and a C
         compiler for its launcher); "sim" decodes with tensor operations."""
         from engine.sharding import transfer_code
@@ -590,8 +591,11 @@ class TorchEngine(Engine):
         except ImportError:
             return False
         mem = psutil.virtual_memory()
-        need = 0.76 * self.spec.total_weight_bytes
-        return mem.available - need >= max(mem.total // 4, 4 << 30)
+        weights = self.spec.total_weight_bytes
+        # (asked before the weights are packed: while the engine opens, the packed buffers and the coded copy
+        # stand beside the weights as loaded, which are let go after; once open, the coded copy stays)
+        opening = mem.available - 1.76 * weights >= 2 << 30
+        return opening and mem.available - 0.76 * weights >= max(mem.total // 4, 4 << 30)
 
     def stats(self) -> dict:
         s = super().stats()

@@ -372,3 +372,29 @@ def test_cpu_ffns_read_coded_give_the_same_tokens(tiny_model, monkeypatch, arch)
     assert not kernels._coded                               # forgotten when the store closed
     assert torch.equal(out["1"][0], out["0"][0]) and out["1"][1] == out["0"][1]
     assert out["0"][2] == 0 and out["1"][2] > 0              # the native call read coded weights
+
+
+def test_coding_is_on_by_default_only_where_the_host_has_room(tiny_model, monkeypatch):
+    """Unforced, the engine codes where host memory holds the coded copy beside a reserve once open (a
+    quarter of the memory), and the packed buffers and the coded copy beside the loaded weights while it
+    opens (2 GiB to spare). Here as for a 16 GiB model."""
+    import types
+
+    import psutil
+
+    from engine.backends.torch_engine import TorchEngine
+    from engine.sharding.spec import ModelSpec
+
+    monkeypatch.setattr(TorchEngine, "_make_planset", all_cpu_planset)
+    monkeypatch.delenv("SLIPSTREAM_TRANSFER_CODE", raising=False)
+    eng = engine.open_model(tiny_model("llama3", dtype="bfloat16"), device="sim", backend="torch",
+                            vram_budget="1GiB")
+    GiB = 1 << 30
+    monkeypatch.setattr(ModelSpec, "total_weight_bytes", property(lambda self: 16 * GiB))
+    for total, available, want in ((128, 60, True),      # room once open (47.8 >= 32) and while opening
+                                   (64, 30, False),      # room once open (17.8 >= 16), not while opening
+                                   (64, 27, False)):     # under the reserve once open
+        monkeypatch.setattr(psutil, "virtual_memory", lambda t=total, a=available: types.SimpleNamespace(
+            total=t * GiB, available=a * GiB))
+        assert eng._host_room_for_coding() is want, (total, available)
+    eng.close()
