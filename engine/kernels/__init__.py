@@ -194,7 +194,8 @@ def _load():
         lib.sl_bf16_code.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
                                      ctypes.c_int]
         lib.sl_bf16_code.restype = ctypes.c_int64
-        lib.sl_bf16_escapes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+        lib.sl_bf16_escapes.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int]
         lib.sl_bf16_escapes.restype = ctypes.c_int64
         lib.sl_linear_coded.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
@@ -880,7 +881,12 @@ def bf16_escapes(words: torch.Tensor, base: int, k: int) -> torch.Tensor | None:
     if lib is None:
         return None
     pos = torch.empty(k, dtype=torch.int32)
-    got = lib.sl_bf16_escapes(words.data_ptr(), words.numel(), int(base), pos.data_ptr(), k)
+    pooled = _busy.acquire(blocking=False)
+    try:
+        got = lib.sl_bf16_escapes(words.data_ptr(), words.numel(), int(base), pos.data_ptr(), k, int(pooled))
+    finally:
+        if pooled:
+            _busy.release()
     return pos if got == k else None
 
 

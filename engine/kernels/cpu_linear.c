@@ -1985,10 +1985,45 @@ int64_t sl_bf16_code(const uint16_t *w, int64_t n, int base, uint8_t *lo, uint8_
     return total;
 }
 
-/* The positions (word indices) of a coded chunk's escapes, in order, at most `cap`; returns how many. */
-int64_t sl_bf16_escapes(const uint16_t *w, int64_t n, int base, int32_t *pos, int64_t cap) {
-    int64_t k = 0;
-    for (int64_t i = 0; i < n && k < cap; i++)
-        if ((code_of(w[i], base) & 7) == 7) pos[k++] = (int32_t)i;
-    return k;
+/* The positions (word indices) of a coded chunk's escapes, in order, at most `cap`; returns how many (-1:
+ * out of memory). Blocks counted, then written at their offsets, both over the pool with `pooled`. */
+typedef struct {
+    const uint16_t *w;
+    int64_t n;
+    int base;
+    int32_t *pos;
+    int64_t cap, *at;
+} esc_job;
+
+static void esc_block(const void *arg, int64_t c) {
+    const esc_job *j = (const esc_job *)arg;
+    int64_t a = c * CODE_BLOCK, b = a + CODE_BLOCK < j->n ? a + CODE_BLOCK : j->n, k = 0;
+    if (!j->pos) {
+        for (int64_t i = a; i < b; i++) k += (code_of(j->w[i], j->base) & 7) == 7;
+        j->at[c] = k;
+        return;
+    }
+    k = j->at[c];
+    for (int64_t i = a; i < b && k < j->cap; i++)
+        if ((code_of(j->w[i], j->base) & 7) == 7) j->pos[k++] = (int32_t)i;
+}
+
+int64_t sl_bf16_escapes(const uint16_t *w, int64_t n, int base, int32_t *pos, int64_t cap, int pooled) {
+    int64_t blocks = (n + CODE_BLOCK - 1) / CODE_BLOCK, total = 0;
+    int64_t *at = (int64_t *)calloc(blocks ? blocks : 1, sizeof(int64_t));
+    if (!at) return -1;
+    esc_job j = {w, n, base, NULL, cap, at};
+    int pool_it = pooled && pool.n > 1 && blocks > 1;
+    if (pool_it) run_pool(esc_block, &j, blocks);
+    else for (int64_t c = 0; c < blocks; c++) esc_block(&j, c);
+    for (int64_t c = 0; c < blocks; c++) {      /* counts -> first index of each block */
+        int64_t k = at[c];
+        at[c] = total;
+        total += k;
+    }
+    j.pos = pos;
+    if (pool_it) run_pool(esc_block, &j, blocks);
+    else for (int64_t c = 0; c < blocks; c++) esc_block(&j, c);
+    free(at);
+    return total < cap ? total : cap;
 }

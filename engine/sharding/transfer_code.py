@@ -95,9 +95,9 @@ SAMPLE_STRIDE = 61             # the base is chosen from every 61st word (a prim
 
 def _choose_base(raw: torch.Tensor) -> int:
     """The 7-value window of the exponent's top bits holding the most of a sample of the chunk's words."""
-    top = _top_bits(raw)
-    counts = torch.bincount(top[::SAMPLE_STRIDE] if top.numel() > 64 * SAMPLE_STRIDE else top,
-                            minlength=128).cumsum(0)
+    hi = raw.view(-1, 2)[:, 1]
+    sample = torch.bitwise_and(hi[::SAMPLE_STRIDE] if hi.numel() > 64 * SAMPLE_STRIDE else hi, 0x7F)
+    counts = torch.bincount(sample, minlength=128).cumsum(0)
     window = counts[6:] - torch.cat([counts.new_zeros(1), counts[:-7]])        # [122]: words in [b, b + 6]
     return int(window.argmax())
 
