@@ -205,6 +205,13 @@ def _load():
                                            ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                            ctypes.c_void_p]
         lib.sl_ffn_layer_coded.restype = ctypes.c_int
+        lib.sl_attn_decode_many_coded.argtypes = [
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+            ctypes.c_void_p]
+        lib.sl_attn_decode_many_coded.restype = ctypes.c_int
         lib.sl_phase_timing.argtypes = [ctypes.c_int]
         lib.sl_phase_timing.restype = None
         lib.sl_phase_read.argtypes = [ctypes.c_void_p]
@@ -379,9 +386,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
     wc = w
     b = None if bias is None else bias.contiguous()
     y = torch.empty(x2.shape[0], w.shape[0], dtype=w.dtype)
+    coded = _coded.get(wc.data_ptr()) if _coded else None
     if not _busy.acquire(blocking=False):   # one job at a time on the shared pool; another thread's call
         return None                         # (a second engine in the process) takes PyTorch's path
     try:
+        if coded is not None and coded.shape == tuple(wc.shape):
+            rc = lib.sl_linear_coded(x2.data_ptr(), ctypes.addressof(coded.desc),
+                                     None if b is None else b.data_ptr(), y.data_ptr(), x2.shape[0], w.shape[0],
+                                     w.shape[1])
+            if rc == 0:
+                _count_coded("linear")
+                return y.reshape(*x.shape[:-1], w.shape[0])
         rc = lib.sl_linear(_DTYPES[w.dtype], x2.data_ptr(), wc.data_ptr(), None if b is None else b.data_ptr(),
                            y.data_ptr(), x2.shape[0], w.shape[0], w.shape[1])
     finally:
@@ -699,7 +714,19 @@ def attention_decode_many(x: torch.Tensor, w: dict[str, torch.Tensor], eps: floa
     ptrs = (ctypes.c_void_p * B)(*[t.data_ptr() for t in tables])
     lens = (ctypes.c_int64 * B)(*[t.numel() for t in tables])
     pos = (ctypes.c_int64 * B)(*positions)
+    cq, co = (_coded.get(qkv.data_ptr()), _coded.get(o.data_ptr())) if _coded else (None, None)
     with _busy:
+        if cq is not None and co is not None and cq.shape == tuple(qkv.shape) and co.shape == tuple(o.shape):
+            rc = lib.sl_attn_decode_many_coded(
+                _DTYPES[nw.dtype], x.data_ptr(), B, H, nw.data_ptr(), float(eps), ctypes.addressof(cq.desc),
+                None if bias is None else bias.data_ptr(), heads, kv_heads, d,
+                _DTYPES[qn.dtype] if qn is not None else 0, None if qn is None else qn.data_ptr(),
+                None if kn is None else kn.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_pool.data_ptr(),
+                v_pool.data_ptr(), k_pool.shape[0], ptrs, lens, pos, 1.0 / math.sqrt(d), ctypes.addressof(co.desc),
+                out.data_ptr())
+            if rc == 0:
+                _count_coded("attention")
+                return out
         rc = lib.sl_attn_decode_many(_DTYPES[dtype], _DTYPES[nw.dtype], x.data_ptr(), B, H, nw.data_ptr(),
                                      float(eps), qkv.data_ptr(), None if bias is None else bias.data_ptr(), heads,
                                      kv_heads, d, _DTYPES[qn.dtype] if qn is not None else 0,
@@ -756,8 +783,7 @@ def ffn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float) -> torch.
                                         ctypes.addressof(coded.desc), ctypes.addressof(coded_down.desc), inter,
                                         out.data_ptr())
             if rc == 0:
-                global coded_ffn_calls
-                coded_ffn_calls += 1
+                _count_coded("ffn")
                 return out
         rc = lib.sl_ffn_layer(_DTYPES[x.dtype], _DTYPES[nw.dtype], x.data_ptr(), t, H, nw.data_ptr(), float(eps),
                               gate.data_ptr(), None if up is None else up.data_ptr(), down.data_ptr(), inter,
@@ -767,16 +793,21 @@ def ffn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], eps: float) -> torch.
     return out if rc == 0 else None
 
 
-# Raw matrices (by address) whose transfer-coded form the native FFN call reads instead (`read_coded`), and
-# how many FFN calls did so
+# Raw matrices (by address) whose transfer-coded form the native calls read instead (`read_coded`), and how
+# many calls did so
 _coded: dict[int, object] = {}
-coded_ffn_calls = 0
+coded_calls = {"linear": 0, "ffn": 0, "attention": 0}
+
+
+def _count_coded(kind: str) -> None:
+    coded_calls[kind] += 1
 
 
 def read_coded(raw: torch.Tensor, mat) -> None:
-    """From now on `ffn_layer` reads matrix `raw` (bf16 [n, k] on the CPU) from `mat`, its transfer-coded form
-    (a `transfer_code.CpuMatrix`), where its FFN's gate_up and down both have one: the same bits, three
-    quarters of the bytes (opt-in: `SLIPSTREAM_CPU_CODED=1`, see `engine.sharding.weights`)."""
+    """From now on the native calls read matrix `raw` (bf16 [n, k] on the CPU) from `mat`, its transfer-coded
+    form (a `transfer_code.CpuMatrix`): `linear`, `ffn_layer` where its FFN's gate_up and down both have one,
+    the attention call where qkv and o do. The same bits, three quarters of the bytes (opt-in:
+    `SLIPSTREAM_CPU_CODED=1`, see `engine.sharding.weights`)."""
     if mat.shape != tuple(raw.shape) or raw.dtype != torch.bfloat16:
         raise ValueError("read_coded: the coded matrix is not this one")
     _coded[raw.data_ptr()] = mat

@@ -1735,11 +1735,48 @@ void sl_phase_read(double *out) {
  * rows each, the attention one job over the B sequences, as the tensor path runs them (kernels.linear over
  * the step's rows, KVCache.attend_decode over its sequences): the same bits. */
 #define ATTN_MAX_B 64
+static int attn_decode_many(int dtype, int ndtype, const void *x, int64_t B, int64_t H, const void *norm_w,
+                            float eps, const void *qkv_w, const void *qkv_b, int64_t nh, int64_t nkv, int64_t d,
+                            int qndtype, const void *qn_w, const void *kn_w, const void *cos, const void *sin,
+                            void *k_pool, void *v_pool, int64_t n_blocks, const int64_t *const *tables,
+                            const int64_t *table_lens, const int64_t *pos, float scale, const void *o_w, void *out,
+                            const coded_mat *cqkv, const coded_mat *co);
+
 int sl_attn_decode_many(int dtype, int ndtype, const void *x, int64_t B, int64_t H, const void *norm_w, float eps,
                         const void *qkv_w, const void *qkv_b, int64_t nh, int64_t nkv, int64_t d, int qndtype,
                         const void *qn_w, const void *kn_w, const void *cos, const void *sin, void *k_pool,
                         void *v_pool, int64_t n_blocks, const int64_t *const *tables, const int64_t *table_lens,
                         const int64_t *pos, float scale, const void *o_w, void *out) {
+    return attn_decode_many(dtype, ndtype, x, B, H, norm_w, eps, qkv_w, qkv_b, nh, nkv, d, qndtype, qn_w, kn_w, cos,
+                            sin, k_pool, v_pool, n_blocks, tables, table_lens, pos, scale, o_w, out, NULL, NULL);
+}
+
+/* sl_attn_decode_many with the stacked q/k/v projection and the output projection read in place from their
+ * transfer-coded form (bf16, AVX512-BF16): the same bits. */
+int sl_attn_decode_many_coded(int ndtype, const void *x, int64_t B, int64_t H, const void *norm_w, float eps,
+                              const coded_mat *qkv, const void *qkv_b, int64_t nh, int64_t nkv, int64_t d,
+                              int qndtype, const void *qn_w, const void *kn_w, const void *cos, const void *sin,
+                              void *k_pool, void *v_pool, int64_t n_blocks, const int64_t *const *tables,
+                              const int64_t *table_lens, const int64_t *pos, float scale, const coded_mat *o,
+                              void *out) {
+#if defined(__AVX512BF16__)
+    if (!qkv || !o || H % 2 || (nh * d) % 2) return -1;
+    return attn_decode_many(DT_BF16, ndtype, x, B, H, norm_w, eps, NULL, qkv_b, nh, nkv, d, qndtype, qn_w, kn_w, cos,
+                            sin, k_pool, v_pool, n_blocks, tables, table_lens, pos, scale, NULL, out, qkv, o);
+#else
+    (void)ndtype; (void)x; (void)B; (void)H; (void)norm_w; (void)eps; (void)qkv; (void)qkv_b; (void)nh; (void)nkv;
+    (void)d; (void)qndtype; (void)qn_w; (void)kn_w; (void)cos; (void)sin; (void)k_pool; (void)v_pool;
+    (void)n_blocks; (void)tables; (void)table_lens; (void)pos; (void)scale; (void)o; (void)out;
+    return -1;
+#endif
+}
+
+static int attn_decode_many(int dtype, int ndtype, const void *x, int64_t B, int64_t H, const void *norm_w,
+                            float eps, const void *qkv_w, const void *qkv_b, int64_t nh, int64_t nkv, int64_t d,
+                            int qndtype, const void *qn_w, const void *kn_w, const void *cos, const void *sin,
+                            void *k_pool, void *v_pool, int64_t n_blocks, const int64_t *const *tables,
+                            const int64_t *table_lens, const int64_t *pos, float scale, const void *o_w, void *out,
+                            const coded_mat *cqkv, const coded_mat *co) {
     if ((dtype != DT_BF16 && dtype != DT_F16) || (ndtype != dtype && ndtype != DT_F32) || H <= 0 || nh < 1
         || nkv < 1 || nh % nkv || d < 2 || d % 2 || d > ATT_MAX_D || B < 1 || B > ATTN_MAX_B
         || (qn_w && (qndtype != dtype && qndtype != DT_F32)))
@@ -1767,7 +1804,7 @@ int sl_attn_decode_many(int dtype, int ndtype, const void *x, int64_t B, int64_t
 
     sl_rms_norm(dtype, ndtype, x, norm_w, NULL, h, B, H, 0, 0, eps);
     PHASE(attn_phase_s, 0, t0);
-    linear_job j1 = {dtype, h, qkv_w, qkv_b, qkv, B, nqkv, H, NULL, NULL};
+    linear_job j1 = {dtype, h, qkv_w, qkv_b, qkv, B, nqkv, H, NULL, cqkv};
     run_jobs(&j1, 1);
     PHASE(attn_phase_s, 1, t0);
     for (int64_t b = 0; b < B; b++) {
@@ -1802,7 +1839,7 @@ int sl_attn_decode_many(int dtype, int ndtype, const void *x, int64_t B, int64_t
                                 nkv, d, d, d, scale);
     PHASE(attn_phase_s, 3, t0);
     if (rc == 0) {
-        linear_job j2 = {dtype, att, o_w, NULL, o, B, H, nq, NULL, NULL};
+        linear_job j2 = {dtype, att, o_w, NULL, o, B, H, nq, NULL, co};
         run_jobs(&j2, 1);
         for (int64_t i = 0; i < B * H; i++)
             store_elem(dtype, out, i, load_elem(dtype, x, i) + load_elem(dtype, o, i));

@@ -110,7 +110,7 @@ def _coded_bytes(words: int) -> int:
     return words + (words + 1) // 2
 
 
-def chunk_bounds(total_words: int, chunk_words: int = CHUNK_WORDS,
+def chunk_bounds(total_words: int, chunk_words: int | None = None,
                  segments: list[tuple[int, int, int]] | None = None) -> list[tuple[int, int]]:
     """(first word, words) of each chunk: runs of up to `chunk_words`. `segments`: (first word, words, words
     a row) of each tensor in the buffer, in order and covering it (a tensor's segment runs to the next
@@ -119,6 +119,7 @@ def chunk_bounds(total_words: int, chunk_words: int = CHUNK_WORDS,
     chunk's bytes and base; small tensors share chunks with their neighbours. A row longer than a chunk
     is a chunk of its own."""
     segments = segments or [(0, total_words, 1)]
+    chunk_words = chunk_words or CHUNK_WORDS
     out, start, cur = [], 0, 0
     for s0, words, row in segments:
         p, end, row = s0, s0 + words, max(int(row), 1)
@@ -144,7 +145,7 @@ def chunk_bounds(total_words: int, chunk_words: int = CHUNK_WORDS,
     return out
 
 
-def plan(raw: torch.Tensor, chunk_words: int = CHUNK_WORDS,
+def plan(raw: torch.Tensor, chunk_words: int | None = None,
          segments: list[tuple[int, int, int]] | None = None) -> tuple[tuple[Chunk, ...], int, int] | None:
     """How a packed buffer (uint8, bf16 words) codes: (chunks, the escape block's offset, escapes), from one
     counting pass; None if it is not whole words or no chunk gets smaller. Its coded form takes
@@ -191,7 +192,7 @@ def encode_into(raw: torch.Tensor, layout: tuple[tuple[Chunk, ...], int, int], h
     return CodedBuffer(host, chunks, raw.numel(), esc_off, escapes)
 
 
-def encode(raw: torch.Tensor, pin: bool = False, chunk_words: int = CHUNK_WORDS) -> CodedBuffer | None:
+def encode(raw: torch.Tensor, pin: bool = False, chunk_words: int | None = None) -> CodedBuffer | None:
     """`plan` and `encode_into` a buffer of its own; None if coding does not pay. (A weight store plans all its
     sub-layers first and packs their coded buffers into a few pinned chunks: one pinned allocation per
     buffer rounds each up to a power of two.)"""

@@ -222,29 +222,37 @@ class WeightStore:
         if self.coded and os.environ.get("SLIPSTREAM_CPU_CODED", "0") == "1":
             self._read_coded_on_cpu()
 
+    # The matrices the native CPU calls can read coded, as (view, the tensor its rows start at), by the set that
+    # one call needs whole: a dense FFN's, an attention's, a head's (untied or tied)
+    _CPU_CODED = ((("gate_up.weight", "gate.weight"), ("down.weight", "down.weight")),
+                  (("qkv.weight", "q.weight"), ("o.weight", "o.weight")),
+                  (("head.weight", "head.weight"),), (("embed.weight", "embed.weight"),))
+
     def _read_coded_on_cpu(self) -> None:
         """Opt-in (`SLIPSTREAM_CPU_CODED=1`, for A/B runs; the estimator still prices raw bytes): the native
-        FFN call reads each coded dense FFN's gate_up and down from the coded copy (`kernels.read_coded`),
-        where this CPU can (AVX512-BF16)."""
+        CPU calls read coded sub-layers' matrices from the coded copy (`kernels.read_coded`) where this CPU
+        can (AVX512-BF16): a dense FFN's gate_up and down, an attention's qkv and o, the head."""
         from engine import kernels
 
         if not kernels.coded_ready():
             return
         for name, coded in self.coded.items():
-            views = self.sublayers[name].host_views
-            mats = []
-            for key, first in (("gate_up.weight", "gate.weight"), ("down.weight", "down.weight")):
-                t, slot = views.get(key), next((x for x in self.sublayers[name].layout if x.local == first), None)
-                if t is None or slot is None or t.dim() != 2:
-                    break
-                try:
-                    mats.append((t, CpuMatrix(coded, slot.offset // 2, *t.shape)))
-                except ValueError:
-                    break
-            if len(mats) == 2:
-                for t, mat in mats:
-                    kernels.read_coded(t, mat)
-                    self._read_coded.append(t)
+            sw = self.sublayers[name]
+            slots = {x.local: x for x in sw.layout}
+            for group in self._CPU_CODED:
+                mats = []
+                for key, first in group:
+                    t, slot = sw.host_views.get(key), slots.get(first)
+                    if t is None or slot is None or t.dim() != 2:
+                        break
+                    try:
+                        mats.append((t, CpuMatrix(coded, slot.offset // 2, *t.shape)))
+                    except ValueError:
+                        break
+                if len(mats) == len(group):
+                    for t, mat in mats:
+                        kernels.read_coded(t, mat)
+                        self._read_coded.append(t)
 
     @property
     def stage_bytes(self) -> int:

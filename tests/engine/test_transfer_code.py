@@ -345,9 +345,10 @@ def test_the_coded_matmul_bench_checks_its_bits(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen2"])
-def test_cpu_ffns_read_coded_give_the_same_tokens(tiny_model, monkeypatch, arch):
-    """`SLIPSTREAM_CPU_CODED=1`: the native FFN call reads coded gate_up and down on the CPU; the logits and
-    greedy tokens of a plan with every FFN on the CPU are those of the same plan reading raw weights."""
+def test_cpu_calls_read_coded_give_the_same_tokens(tiny_model, monkeypatch, arch):
+    """`SLIPSTREAM_CPU_CODED=1`: the native CPU calls (the FFN call, the attention call, the head's matmul) read
+    coded weights; the logits and greedy tokens of a plan with everything on the CPU are those of the same
+    plan reading raw weights."""
     from engine import kernels
 
     if not kernels.coded_ready():
@@ -358,20 +359,22 @@ def test_cpu_ffns_read_coded_give_the_same_tokens(tiny_model, monkeypatch, arch)
     monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE", "1")
     monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE_MIN", "0")
     monkeypatch.setattr(tc, "CHUNK_WORDS", 1 << 12)          # several chunks to an FFN of the tiny model
-    path = tiny_model(arch, dtype="bfloat16", intermediate_size=512, hidden_size=256)   # (native-sized matrices)
+    path = tiny_model(arch, dtype="bfloat16", intermediate_size=512, hidden_size=256, num_attention_heads=8,
+                      num_key_value_heads=4, head_dim=32)             # (matrices the native calls take)
     out = {}
     for coded in ("0", "1"):
         monkeypatch.setenv("SLIPSTREAM_CPU_CODED", coded)
         eng = engine.open_model(path, device="sim", backend="torch", vram_budget="1GiB")
         assert bool(eng.executor.store._read_coded) is (coded == "1")
-        before = kernels.coded_ffn_calls
+        before = dict(kernels.coded_calls)
         logits = eng.score(list(range(3, 11)))[-4:]
         tokens = [e.token_id for e in eng.generate("a b c", max_new_tokens=8)]
-        out[coded] = (logits, tokens, kernels.coded_ffn_calls - before)
+        out[coded] = (logits, tokens, {k: n - before[k] for k, n in kernels.coded_calls.items()})
         eng.close()
     assert not kernels._coded                               # forgotten when the store closed
     assert torch.equal(out["1"][0], out["0"][0]) and out["1"][1] == out["0"][1]
-    assert out["0"][2] == 0 and out["1"][2] > 0              # the native call read coded weights
+    assert not any(out["0"][2].values())
+    assert all(n > 0 for n in out["1"][2].values()), out["1"][2]     # each kind of call read coded weights
 
 
 def test_coding_is_on_by_default_only_where_the_host_has_room(tiny_model, monkeypatch):

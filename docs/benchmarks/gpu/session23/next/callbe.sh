@@ -4,9 +4,9 @@
 #    native CPU matmul reading coded matrices in place against raw: on this host's 16 cores, does it gain?).
 # 2) The CUDA tests of transfer coding and the executor (the store now packs its coded buffers into a few
 #    pinned chunks after a counting pass; the CUDA decode is checked at open and a failure leaves raw streaming).
-# 3) The suite's Llama rows at 4 GiB with transfer coding on, the CPU's FFN calls reading raw and coded
-#    weights (SLIPSTREAM_CPU_CODED=0/1), processes taking turns (raw, coded, coded, raw): the decode's CPU
-#    side reads 25% fewer bytes where the coded matmul keeps up; the estimator still prices raw bytes, so
+# 3) The suite's Llama rows at 4 GiB with transfer coding on, the CPU's native calls (FFN, attention, head)
+#    reading raw and coded weights (SLIPSTREAM_CPU_CODED=0/1), processes taking turns (raw, coded, coded,
+#    raw): the decode's CPU side reads 25% fewer bytes where the coded matmul keeps up; the estimator still prices raw bytes, so
 #    the plans are the same. Also the open time against call BC's 42 s and each process's peak RSS (the coded
 #    copy should add about 0.75 x 15 GB, no more).
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site carry/*.whl 2>/dev/null
