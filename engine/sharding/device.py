@@ -166,6 +166,23 @@ class CopyHandle:
                 time.sleep(_POLL_S)
 
 
+class IssuedHandle(CopyHandle):
+    """A copy handed to the accelerator's issuer thread (`Accelerator.copy_coded_async`): the handle of the
+    copy as issued there, once it is."""
+
+    def __init__(self, accel: Accelerator, issued: Future):
+        super().__init__(accel, issued)
+
+    def done(self) -> bool:
+        return self._token.done() and self._token.result().done()
+
+    def wait_compute(self) -> None:
+        self._token.result().wait_compute()
+
+    def wait_host(self) -> None:
+        self._token.result().wait_host()
+
+
 def expandable_segments() -> bool:
     """Let PyTorch's CUDA allocator grow one mapped segment in 2 MiB pages instead of keeping fixed segments:
     on unless SLIPSTREAM_EXPANDABLE_SEGMENTS is 0 (or off, false, no), and left alone where the user
@@ -222,6 +239,8 @@ class Accelerator:
             self._copy_stream = self._decode_stream = None
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-copy")
         self.start_overhead = self.overhead
+        self.issue_thread = os.environ.get("SLIPSTREAM_COPY_ISSUER", "1").lower() not in ("0", "off", "false", "no")
+        self._issuer: ThreadPoolExecutor | None = None
 
     @property
     def name(self) -> str:
@@ -400,6 +419,41 @@ class Accelerator:
             torch.cuda.set_stream(prev)
         return CopyHandle(self, end)
 
+    def copy_coded_async(self, dst: torch.Tensor, coded, stages, after=None) -> CopyHandle:
+        """`copy_coded`, issued from a thread of its own where `issue_thread` is set (SLIPSTREAM_COPY_ISSUER,
+        on unless 0): a coded copy is a few host calls per 64 MiB piece (about 75 us each on the H200
+        host, the decode kernel's launch most of it: `transfer_code_rate`'s issue_us), some 9 ms a token for
+        the 16 FFNs the Llama-3-8B 4 GiB decode streams. From the step's own thread they stood between the
+        CPU's sub-layers; from here they run while that thread waits in a native call (which lets go of the
+        GIL). The issuer is the only user of the staging ring, in the order copies are asked for; a raw
+        copy from the step's thread may reach the copy stream before a coded one asked earlier, which its
+        own events make safe."""
+        if not self.issue_thread:
+            return self.copy_coded(dst, coded, stages, after)
+        if self._issuer is None:
+            self._issuer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-copy-issue")
+        return IssuedHandle(self, self._issuer.submit(self._issue_coded, dst, coded, stages, after))
+
+    def _issue_coded(self, dst, coded, stages, after) -> CopyHandle:
+        with torch.inference_mode():
+            if self.kind == "cuda":
+                with torch.cuda.device(self.device):
+                    return self.copy_coded(dst, coded, stages, after)
+            return self.copy_coded(dst, coded, stages, after)
+
+    def issued(self) -> None:
+        """Wait until every copy handed to the issuer thread is issued (before the ring is freed, or the
+        issuer switched off)."""
+        if self._issuer is not None:
+            self._issuer.submit(lambda: None).result()
+
+    def set_issue_thread(self, flag: bool) -> bool:
+        """Issue coded copies from the issuer thread or the caller's (benchmarks compare both); returns the
+        old state."""
+        self.issued()
+        old, self.issue_thread = self.issue_thread, bool(flag)
+        return old
+
     def wait_events(self, events) -> None:
         """Wait on the host for GPU events (None entries skipped)."""
         for ev in events:
@@ -447,6 +501,7 @@ class Accelerator:
         self.wait_event_host(self.compute_event())
 
     def synchronize(self) -> None:
+        self.issued()
         if self.kind == "cuda":
             self.wait_queued()
             self._copy_stream.synchronize()
@@ -457,5 +512,8 @@ class Accelerator:
 
     def close(self) -> None:
         self.lift_allocator_cap()
+        if self._issuer is not None:
+            self._issuer.shutdown(wait=True)
+            self._issuer = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)

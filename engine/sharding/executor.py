@@ -281,8 +281,8 @@ class Executor:
         buf = self.store.slots[slot]
         coded = self.store.coded.get(name) if experts is None and not skip else None
         if coded is not None and self.store.stages is not None:   # the coded bytes, decoded on the GPU
-            self.slot_ready[slot] = self.accel.copy_coded(buf, coded, self.store.stages,
-                                                          after=self.slot_free_after[slot])
+            self.slot_ready[slot] = self.accel.copy_coded_async(buf, coded, self.store.stages,
+                                                                after=self.slot_free_after[slot])
             self.copied_bytes += coded.nbytes
             self.slot_valid[slot] = True
             self.slot_skip[slot] = 0

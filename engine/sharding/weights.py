@@ -309,6 +309,7 @@ class WeightStore:
             self.accel.free(buf, "slots")
         self.slots, self.slot_bytes = [], 0
         if self.stages is not None:
+            self.accel.issued()                 # (the issuer thread's last coded copy uses the ring)
             self.accel.wait_events(self.stages.pending())
             self.stages.close()
             for buf in self.stages.bufs:

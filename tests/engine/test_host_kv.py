@@ -273,6 +273,35 @@ def test_shrink_moves_blocks_in_use_below_the_cut():
     assert all(p.capacity == 3 for p in kv.pools)
 
 
+def test_a_cut_keeps_the_host_pools_room_and_a_regrowth_reuses_it():
+    """A capacity cut gives the GPU pools' VRAM back but leaves host pools their room, so growing again
+    re-makes only the GPU pools; the blocks written before the cut, the cut and the regrowth read back the
+    same, and so does a layer moved to the GPU and back (at the cache's capacity, not the host pool's)."""
+    kv = make_cache(gpu_layers=(0,))
+    filler, seq = Sequence(), Sequence()
+    fill(kv, filler, [1] * (5 * BLOCK_SIZE), seed=42)
+    fill(kv, seq, list(range(2 * BLOCK_SIZE + 3)), seed=43)
+    want = contents(kv, seq)
+    kv.release(filler)
+    host_ptrs = [p.k.data_ptr() for p in kv.pools[1:]]
+    kv.shrink(3)
+    assert kv.n_blocks == 3 and kv.pools[0].capacity == 3
+    assert all(p.capacity == 8 for p in kv.pools[1:]) and [p.k.data_ptr() for p in kv.pools[1:]] == host_ptrs
+    assert same(contents(kv, seq), want)
+    kv._grow(6)                                           # within the host pools' room: none re-made
+    assert [p.k.data_ptr() for p in kv.pools[1:]] == host_ptrs and kv.pools[0].capacity == 6
+    other = Sequence()
+    fill(kv, other, list(range(3 * BLOCK_SIZE)), seed=44)     # new blocks past the cut, in every layer
+    want_other = contents(kv, other)
+    kv.place_layer(1, True)
+    assert kv.pools[1].capacity == 6 and kv.gpu_bytes() == 2 * 6 * kv.pools[0].block_bytes()
+    kv.place_layer(1, False)
+    assert same(contents(kv, seq), want) and same(contents(kv, other), want_other)
+    kv._grow(12)                                          # past them: re-made, contents kept
+    assert all(p.capacity == 12 for p in kv.pools)
+    assert same(contents(kv, seq), want) and same(contents(kv, other), want_other)
+
+
 def test_host_tier_without_an_accelerator():
     kv = make_cache(accel=False)
     seq = Sequence()

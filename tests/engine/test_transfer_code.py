@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 
 import pytest
 import torch
@@ -133,63 +134,133 @@ def test_a_coded_stream_gives_the_same_logits_and_tokens(tiny_model, coded_env, 
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_coded_copies_issued_from_their_own_thread_or_the_steps_give_the_same_logits(tiny_model, coded_env,
+                                                                                      monkeypatch, arch):
+    path = tiny_model(arch, dtype="bfloat16")
+    ids = list(range(3, 30))
+    out = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("SLIPSTREAM_COPY_ISSUER", flag)
+        eng = _open(path, True, monkeypatch)
+        force_planset(eng, _streaming_planset(eng, 2))
+        out[flag] = eng.score(ids)
+        assert (eng.accel._issuer is not None) is (flag == "1")      # (the issuer thread is made on first use)
+        eng.accel.set_issue_thread(flag == "0")                         # switched mid-run: still the same
+        assert torch.equal(eng.score(ids), out[flag])
+        eng.close()
+        assert eng.accel._issuer is None and eng.accel.total_used == 0
+    assert torch.equal(out["0"], out["1"])
+
+
+def _cpu_tokens(path, prompt: str, n: int) -> list[int]:
+    cpu = engine.open_model(path, device="cpu", backend="torch")
+    try:
+        return [e.token_id for e in cpu.generate(prompt, max_new_tokens=n)]
+    finally:
+        cpu.close()
+
+
+def _follow(path, code: bool, monkeypatch, schedule: dict[int, PlanSet], prompt: str, n: int) -> list[int]:
+    """Greedy tokens of `path` on DEVICE with coding on or off, the plan sets of `schedule` forced before
+    the first step (key -1) and after the step of each other key."""
+    eng = _open(path, code, monkeypatch)
+    force_planset(eng, schedule[-1])
+    got = []
+    for i, ev in enumerate(eng.generate(prompt, max_new_tokens=n)):
+        got.append(ev.token_id)
+        if i in schedule:
+            force_planset(eng, schedule[i])
+    eng.close()
+    return got
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
 def test_placements_changing_mid_generation_keep_the_tokens_coded(tiny_model, coded_env, monkeypatch, arch):
     """Random placements (resident, streamed, CPU) switched every few tokens, slots 1-3, coded copies: the
-    tokens of the model on the CPU alone."""
+    tokens of raw copies under the same placements (a coded copy lands the same bytes in the slot) and, on
+    "sim", whose GPU is the CPU, the tokens of the model on the CPU alone (on CUDA a placement's bf16 kernels
+    round their own way)."""
     import random
 
+    from engine.backends.torch_engine import TorchEngine
     from tests.engine.test_executor import random_planset
 
+    # (no plans re-priced on a thread of their own: that re-plan lands wherever its thread finishes, and
+    # on CUDA a re-plan's fresh graphs may round a step's attention otherwise)
+    monkeypatch.setattr(TorchEngine, "_refine_in_background", lambda self: None)
     path = tiny_model(arch, dtype="bfloat16")
-    cpu = engine.open_model(path, device="cpu", backend="torch")
-    want = [e.token_id for e in cpu.generate("the quick brown fox", max_new_tokens=24)]
-    cpu.close()
+    prompt = "the quick brown fox"
     eng = _open(path, True, monkeypatch)
     rng = random.Random(11)
-    force_planset(eng, random_planset(eng, rng, 2))
+    schedule = {-1: random_planset(eng, rng, 2)}
+    force_planset(eng, schedule[-1])
     got = []
-    for i, ev in enumerate(eng.generate("the quick brown fox", max_new_tokens=24)):
+    for i, ev in enumerate(eng.generate(prompt, max_new_tokens=24)):
         got.append(ev.token_id)
         if i % 5 == 2:
-            force_planset(eng, random_planset(eng, rng, 1 + i % 3))
-    assert got == want
-    assert eng.accel.total_used <= eng.budget
+            schedule[i] = random_planset(eng, rng, 1 + i % 3)
+            force_planset(eng, schedule[i])
+            assert eng.accel.total_used <= eng.budget
+    assert eng.executor.copied_bytes > 0 and eng.stats()["transfer_coded_sublayers"] > 0
     eng.close()
     assert eng.accel.total_used == 0
+    assert got == _follow(path, False, monkeypatch, schedule, prompt, 24)
+    if DEVICE == "sim":
+        assert got == _cpu_tokens(path, prompt, 24)
 
 
 def test_planned_budget_changes_mid_generation_with_coded_streams(tiny_model, monkeypatch):
     """The planner's own plans (a slow CPU, so weights go to the GPU and stream) at budgets that move while
-    a greedy generation runs: coded copies give the tokens of the CPU alone, and the bookings (slots and the
-    staging ring included) stay within every budget."""
+    a greedy generation runs: coded copies give the tokens of raw copies under the same plans, switched at
+    the same points (on "sim", those of the CPU alone too; on CUDA a sub-layer moving between the CPU and
+    the GPU rounds its bf16 its own way), and the bookings (slots and the staging ring included) stay within
+    every budget."""
     import threading
 
+    from engine.backends.torch_engine import TorchEngine
     from tests.engine.tiny_plans import TIERS, slow_cpu_profile, third_of_weights
 
-    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE", "1")
+    # (no plans re-priced on a thread of their own: that re-plan lands wherever its thread finishes)
+    monkeypatch.setattr(TorchEngine, "_refine_in_background", lambda self: None)
     monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE_MIN", "0")
     path = tiny_model("llama3", dtype="bfloat16")
-    cpu = engine.open_model(path, device="cpu", backend="torch")
-    want = [e.token_id for e in cpu.generate("a b c d e", max_new_tokens=30)]
-    cpu.close()
-    eng = engine.open_model(path, device=DEVICE, backend="torch", tiers=TIERS, profile=slow_cpu_profile())
-    assert eng.executor.store.coded
-    full = eng.spec.total_weight_bytes
-    base = third_of_weights(eng) - full // 3
-    budgets = [base + full // 3, base + full // 8, base + full * 2, base + full // 2]
-    eng.set_vram_budget(budgets[0])
-    got, streamed = [], 0
-    for i, ev in enumerate(eng.generate("a b c d e", max_new_tokens=30)):
-        got.append(ev.token_id)
-        streamed += eng.plan_report()["in_use"]["slots"] > 0
-        assert eng.accel.total_used <= max(r["budget"] for r in eng.replans[-2:])
-        if i % 6 == 3:
-            t = threading.Thread(target=eng.set_vram_budget, args=(budgets[(i // 6) % len(budgets)],))
-            t.start()
-            t.join()
-    assert got == want
+    prompt = "a b c d e"
+    made: list[PlanSet] = []
+
+    def run(code: bool) -> tuple[list[int], int]:
+        monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE", "1" if code else "0")
+        eng = engine.open_model(path, device=DEVICE, backend="torch", tiers=TIERS, profile=slow_cpu_profile())
+        assert bool(eng.executor.store.coded) is code
+        if code:                     # the plan sets the planner makes, in order...
+            planned = eng._make_planset
+            eng._make_planset = lambda *a, **k: made.append(planned(*a, **k)) or made[-1]
+        else:                        # ...and the same, in the same order, for raw copies
+            queue = list(made)
+            eng._make_planset = lambda *a, **k: queue.pop(0)
+        full = eng.spec.total_weight_bytes
+        base = third_of_weights(eng) - full // 3
+        budgets = [base + full // 3, base + full // 8, base + full * 2, base + full // 2]
+        eng.set_vram_budget(budgets[0])
+        got, streamed = [], 0
+        for i, ev in enumerate(eng.generate(prompt, max_new_tokens=30)):
+            got.append(ev.token_id)
+            streamed += eng.plan_report()["in_use"]["slots"] > 0
+            assert eng.accel.total_used <= max(r["budget"] for r in eng.replans[-2:])
+            if i % 6 == 3:
+                t = threading.Thread(target=eng.set_vram_budget, args=(budgets[(i // 6) % len(budgets)],))
+                t.start()
+                t.join()
+        if not code:
+            assert not queue
+        eng.close()
+        return got, streamed
+
+    got, streamed = run(True)
     assert streamed > 0                                   # some steps ran with slots (and the ring)
-    eng.close()
+    assert len(made) >= 5
+    assert got == run(False)[0]
+    if DEVICE == "sim":
+        assert got == _cpu_tokens(path, prompt, 30)
 
 
 def test_the_staging_ring_is_booked_as_planned(tiny_model, coded_env, monkeypatch):
@@ -311,11 +382,17 @@ def test_the_cpu_matmul_reads_a_coded_matrix_to_the_same_bits(k, chunk_rows):
     coded = tc.encode_into(raw, layout, torch.empty(tc.coded_size(*layout[1:]), dtype=torch.uint8))
     assert coded.escapes > 0 and len(coded.chunks) > 1
     mat = tc.CpuMatrix(coded, 3 * k, n, k)
+    kernels.status(wait=True)
+    while kernels._building.is_set():      # (an engine opened before may still be building the library)
+        time.sleep(0.01)
     for m in (1, 2, 5):
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-        want = kernels.linear(x, w, min_weights=0)
+        want = kernels.linear(x, w, min_weights=0, rows=m)   # (AMX hosts leave more than 4 rows to PyTorch)
         got = kernels.linear_coded(x, mat, n, k)
-        assert want is not None and got is not None and torch.equal(got, want)
+        why = (f"enabled {kernels._enabled}, building {kernels._building.is_set()}, pool busy {kernels._busy.locked()}, "
+               f"max rows {kernels.max_rows(torch.bfloat16)}, {kernels.status()}")
+        assert want is not None and got is not None, why
+        assert torch.equal(got, want)
 
 
 def test_a_matrix_with_a_raw_chunk_is_not_read_coded():
