@@ -21,7 +21,11 @@ from engine.bench.gpu_common import write_report
 from engine.units import parse_bytes
 
 WATCHED = (("executor", "activate"), ("executor", "forward_batch"), ("executor", "forward"),
-           ("engine", "_apply_pending_budget"), ("accel", "release_to_driver"), ("accel", "synchronize"))
+           ("engine", "_apply_pending_budget"), ("engine", "_make_planset"), ("accel", "release_to_driver"),
+           ("accel", "synchronize"), ("executor", "_drain_slots"), ("store", "evict"), ("store", "admit"),
+           ("store", "set_slots"), ("store", "drop_slots"), ("kv", "_resize"), ("kv", "shrink"), ("kv", "_grow"),
+           ("kv", "_spill"), ("kv", "restore"))
+SHOWN_MS = 1.0      # spans shorter than this are summed per kind, not listed
 
 
 class Timeline:
@@ -31,7 +35,9 @@ class Timeline:
         self.spans: list[dict] = []
         self.t0 = time.perf_counter()
         self._undo = []
-        owners = {"executor": eng.executor, "engine": eng, "accel": eng.accel}
+        ex = eng.executor
+        owners = {"executor": ex, "engine": eng, "accel": eng.accel, "store": getattr(ex, "store", None),
+                  "kv": getattr(ex, "kv", None)}
         for owner, name in WATCHED:
             obj = owners[owner]
             fn = getattr(obj, name, None) if obj is not None else None
@@ -72,6 +78,21 @@ def _info(label: str, args) -> str:
     return ""
 
 
+def _lines(spans: list[dict]) -> list[str]:
+    """The spans in order of their start (nested ones after their parent), those under SHOWN_MS summed per
+    kind at the end."""
+    out, small = [], {}
+    for s in sorted(spans, key=lambda s: (s["start_ms"], -s["ms"])):
+        if s["ms"] >= SHOWN_MS:
+            out.append(f"    {s['start_ms']:8.1f} +{s['ms']:7.1f} ms  {s['what']} {s['info']}")
+        else:
+            n, ms = small.get(s["what"], (0, 0.0))
+            small[s["what"]] = (n + 1, ms + s["ms"])
+    if small:
+        out.append("    under 1 ms: " + ", ".join(f"{k} x{n} {ms:.1f} ms" for k, (n, ms) in small.items()))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m engine.bench.prefill_timeline", description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="llama3-8b")
@@ -106,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "step_tokens": eng.planset.step_tokens, "spans": tl.spans})
                         print(f"{name} {n} tokens run {r}: {tps:.0f} t/s, time to first token {ttft:.1f} ms "
                               f"(steps of {eng.planset.step_tokens})", flush=True)
-                        for s in tl.spans:
-                            print(f"    {s['start_ms']:8.1f} +{s['ms']:7.1f} ms  {s['what']} {s['info']}", flush=True)
+                        for line in _lines(tl.spans):
+                            print(line, flush=True)
             finally:
                 tl.close()
     finally:

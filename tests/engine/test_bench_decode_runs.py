@@ -189,3 +189,33 @@ def test_decode_runs_in_abba_order_reverse_every_other_round(tmp_path):
     turn = decode_runs.turn_of("abba")
     assert [turn(i, 3) for i in range(9)] == [0, 1, 2, 2, 1, 0, 0, 1, 2]
     assert [decode_runs.turn_of("cycle")(i, 3) for i in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_decode_runs_take_turns_issuing_coded_copies_from_their_own_thread_or_not(tmp_path, monkeypatch):
+    """`--issuer-variants off,on`: the runs alternate (abba) between coded copies issued from the step's
+    thread and from the accelerator's issuer thread, in one engine, and each run records which."""
+    from engine.bench import decode_runs
+
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE", "1")
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE_MIN", "0")
+    assert decode_runs.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--runs", "4",
+                             "--tokens", "3", "--issuer-variants", "off,on", "--order", "abba",
+                             "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode_runs.json").read_text())
+    assert report["issuer_variants"] == [False, True]
+    assert [r["issue_thread"] for r in report["rows"]] == [False, True, True, False]
+
+
+def test_prefill_timeline_lists_each_prompts_steps_and_activations(tmp_path):
+    from engine.bench import prefill_timeline
+
+    assert prefill_timeline.main(["--shape", "tiny-llama", "--device", "sim", "--budgets", "2MiB,4MiB",
+                                  "--runs", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "prefill_timeline.json").read_text())["rows"]
+    assert [(r["budget"], r["tokens"]) for r in rows] == [("2MiB", 512), ("2MiB", 4096), ("4MiB", 512), ("4MiB", 4096)]
+    for r in rows:
+        steps = [s for s in r["spans"] if s["what"] == "executor.forward_batch"]
+        assert sum(int(n) for s in steps for n in s["info"].removeprefix("tokens ").split("+")) == r["tokens"]
+        assert r["ttft_ms"] >= sum(s["ms"] for s in steps) > 0
+    lines = prefill_timeline._lines(rows[1]["spans"])
+    assert any("forward_batch" in line for line in lines)
