@@ -212,6 +212,8 @@ def _load():
             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
             ctypes.c_void_p]
         lib.sl_attn_decode_many_coded.restype = ctypes.c_int
+        lib.sl_copy_many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.sl_copy_many.restype = ctypes.c_int
         lib.sl_phase_timing.argtypes = [ctypes.c_int]
         lib.sl_phase_timing.restype = None
         lib.sl_phase_read.argtypes = [ctypes.c_void_p]
@@ -919,6 +921,32 @@ def bf16_escapes(words: torch.Tensor, base: int, k: int) -> torch.Tensor | None:
         if pooled:
             _busy.release()
     return pos if got == k else None
+
+
+def copy_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+    """Copy each (dst, src) pair of contiguous CPU tensors of the same byte size (not overlapping) in one
+    native call whose pieces the pool shares; False (nothing copied) where the library is not there or off,
+    or a pair does not qualify (the caller copies with PyTorch)."""
+    if not pairs or not _enabled or _building.is_set():
+        return False
+    for dst, src in pairs:
+        if (dst.device.type != "cpu" or src.device.type != "cpu" or not dst.is_contiguous() or not src.is_contiguous()
+                or dst.numel() * dst.element_size() != src.numel() * src.element_size()):
+            return False
+    lib = _load()
+    if lib is None:
+        return False
+    n = len(pairs)
+    dst = (ctypes.c_void_p * n)(*[d.data_ptr() for d, _ in pairs])
+    src = (ctypes.c_void_p * n)(*[s.data_ptr() for _, s in pairs])
+    nbytes = (ctypes.c_int64 * n)(*[d.numel() * d.element_size() for d, _ in pairs])
+    _sync_threads(lib)
+    pooled = _busy.acquire(blocking=False)
+    try:
+        return lib.sl_copy_many(n, dst, src, nbytes, int(pooled)) == 0
+    finally:
+        if pooled:
+            _busy.release()
 
 
 def scatter_add(out: torch.Tensor, rows: torch.Tensor, y: torch.Tensor) -> bool:

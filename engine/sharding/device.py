@@ -371,14 +371,15 @@ class Accelerator:
             return CopyHandle(self, ev)
         return CopyHandle(self, self._pool.submit(_copy_inference, dst, src))
 
-    def copy_coded(self, dst: torch.Tensor, coded, stages, after=None) -> CopyHandle:
+    def copy_coded(self, dst: torch.Tensor, coded, stages, after=None, keep: bool = True) -> CopyHandle:
         """Copy a transfer-coded buffer (`transfer_code.CodedBuffer`) into `dst`, its raw bytes on the device,
         after the compute event `after`. Raw chunks go straight into `dst`; each coded piece crosses into a
         buffer of the `stages` ring (once what was decoded from it before is done) and is decoded from
         there into `dst` on a stream of its own, so the copy engine moves chunk c + 1 while the GPU decodes
         chunk c. The handle covers both. Host work per piece is a few calls: the views are cut once per
-        (buffer, destination) and the ring's events are reused."""
-        prog = stages.program(coded, dst)
+        (buffer, destination) and the ring's events are reused (`keep` False: a destination copied into once,
+        such as a resident buffer, whose views the ring must not keep alive)."""
+        prog = stages.program(coded, dst, keep)
         if self.kind != "cuda":
             def run() -> None:
                 with torch.inference_mode():
@@ -421,7 +422,7 @@ class Accelerator:
             torch.cuda.set_stream(prev)
         return CopyHandle(self, end)
 
-    def copy_coded_async(self, dst: torch.Tensor, coded, stages, after=None) -> CopyHandle:
+    def copy_coded_async(self, dst: torch.Tensor, coded, stages, after=None, keep: bool = True) -> CopyHandle:
         """`copy_coded`, issued from a thread of its own where `issue_thread` is set (SLIPSTREAM_COPY_ISSUER,
         on unless 0): a coded copy is a few host calls per 64 MiB piece (about 75 us each on the H200
         host, the decode kernel's launch most of it: `transfer_code_rate`'s issue_us), some 9 ms a token for
@@ -431,20 +432,20 @@ class Accelerator:
         copy from the step's thread may reach the copy stream before a coded one asked earlier, which its
         own events make safe."""
         if not self.issue_thread:
-            return self.copy_coded(dst, coded, stages, after)
+            return self.copy_coded(dst, coded, stages, after, keep)
         if self._issuer is None:
             self._issuer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-copy-issue")
             # A thread that wants the interpreter lock waits up to the switch interval (5 ms by default) for a
             # thread that keeps it; the step's thread and the issuer hand it back and forth many times a step.
             sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
-        return IssuedHandle(self, self._issuer.submit(self._issue_coded, dst, coded, stages, after))
+        return IssuedHandle(self, self._issuer.submit(self._issue_coded, dst, coded, stages, after, keep))
 
-    def _issue_coded(self, dst, coded, stages, after) -> CopyHandle:
+    def _issue_coded(self, dst, coded, stages, after, keep) -> CopyHandle:
         with torch.inference_mode():
             if self.kind == "cuda":
                 with torch.cuda.device(self.device):
-                    return self.copy_coded(dst, coded, stages, after)
-            return self.copy_coded(dst, coded, stages, after)
+                    return self.copy_coded(dst, coded, stages, after, keep)
+            return self.copy_coded(dst, coded, stages, after, keep)
 
     def issued(self) -> None:
         """Wait until every copy handed to the issuer thread is issued (before the ring is freed, or the

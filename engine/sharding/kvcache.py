@@ -337,8 +337,11 @@ class PagedKVCache:
         if keep:   # one copy a part (straight between the two buffers: nothing else is allocated); block by
             # block it was 2 x 32 x the kept blocks' launches, tenths of a second for a Llama-3-8B cache grown
             # from 1024 tokens on the GPU
-            for new_part, old_part in zip(parts, old_parts):
-                new_part[:keep].copy_(old_part[:keep])
+            moves = [(new_part[:keep], old_part[:keep]) for new_part, old_part in zip(parts, old_parts)]
+            if not (all(d.device.type == "cpu" and s.device.type == "cpu" for d, s in moves)
+                    and kernels.copy_many(moves)):
+                for dst, src in moves:
+                    dst.copy_(src)
         # Rows no token has written yet are zeros, never leftover bytes: a padded read (a batch's shorter
         # sequences, a captured decode attention's padded context) gathers them under a mask, and a
         # masked NaN still poisons the softmax's weighted sum (0 x NaN)
@@ -508,15 +511,22 @@ class PagedKVCache:
 
     def _copy(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         """Copy (pool block, host slot) pairs, every layer, in runs. On CUDA the copies are queued on
-        the compute stream: whatever later reads or overwrites either side is ordered after them."""
+        the compute stream: whatever later reads or overwrites either side is ordered after them. The
+        copies between host memory on both sides (a layer whose cache is in host memory) go in one native
+        call over the CPU pool (`kernels.copy_many`), else one PyTorch copy each."""
+        on_host = []
         for block, slot, n in _runs(pairs, self.host.chunk_slots):
             for layer, pool in enumerate(self.pools):
                 nb = pool.on_gpu and self._pinned
                 for part, host in zip(pool.parts, self.host.rows(layer, slot, n)):
-                    if to_host:
-                        host.copy_(part[block:block + n], non_blocking=nb)
+                    dst, src = (host, part[block:block + n]) if to_host else (part[block:block + n], host)
+                    if dst.device.type == "cpu" and src.device.type == "cpu":
+                        on_host.append((dst, src))
                     else:
-                        part[block:block + n].copy_(host, non_blocking=nb)
+                        dst.copy_(src, non_blocking=nb)
+        if on_host and not kernels.copy_many(on_host):
+            for dst, src in on_host:
+                dst.copy_(src)
 
     def _spill(self, blocks: list[int]) -> None:
         """Cached, unused blocks leave the pools: each goes to the host tier (unless it is there already

@@ -742,3 +742,37 @@ def test_a_run_of_larger_steps_switches_at_the_second(tiny_model, monkeypatch):
     assert eng._plan_for_step(1) is decode_plan            # (the plan in place is still the decode plan)
     assert eng._plan_for_step(n) is decode_plan
     eng.close()
+
+
+def test_many_copies_in_one_native_call_land_as_pytorch_copies_do():
+    """`kernels.copy_many`: pairs of every size (empty, under, at and over its 1 MiB piece), all in one call."""
+    from engine import kernels
+
+    g = torch.Generator().manual_seed(5)
+    sizes = [0, 1, 4095, 1 << 20, (1 << 20) + 3, 3 * (1 << 20) - 7, 77]
+    srcs = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    dsts = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+    if not kernels.copy_many(list(zip(dsts, srcs))):
+        pytest.skip(f"no native library here: {kernels.status()}")
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+    assert not kernels.copy_many([(torch.zeros(4, dtype=torch.uint8), torch.zeros(5, dtype=torch.uint8))])
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-copies", "pytorch-copies"])
+def test_spill_and_restore_keep_the_bits_with_either_copy_path(native):
+    from engine import kernels
+
+    was = kernels.set_enabled(native)
+    try:
+        kv = make_cache(gpu_layers=(1,))
+        seqs = [Sequence() for _ in range(3)]
+        for i, seq in enumerate(seqs):
+            fill(kv, seq, list(range(i * 100, i * 100 + 2 * BLOCK_SIZE + i)), seed=60 + i)
+        want = [contents(kv, s) for s in seqs]
+        for seq in seqs[:2]:
+            assert kv.offload(seq)
+        for seq in seqs[:2]:
+            kv.restore(seq)
+        assert all(same(contents(kv, s), w) for s, w in zip(seqs, want))
+    finally:
+        kernels.set_enabled(was)

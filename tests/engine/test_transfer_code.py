@@ -152,6 +152,42 @@ def test_coded_copies_issued_from_their_own_thread_or_the_steps_give_the_same_lo
     assert torch.equal(out["0"], out["1"])
 
 
+def test_weights_admitted_while_the_ring_is_there_cross_coded_and_are_not_kept_by_it(tiny_model, coded_env,
+                                                                                     monkeypatch):
+    """A plan that keeps streaming (so the staging ring stays) and makes more sub-layers resident admits
+    them through the ring: the resident buffers hold the host's bytes, the logits are those of raw
+    admissions, the ring keeps no copy program of a resident buffer (its views would hold the memory of an
+    evicted one), and evicting them gives their booking back."""
+    path = tiny_model("llama3", dtype="bfloat16")
+    ids = list(range(3, 30))
+    out = {}
+    for code in (False, True):
+        eng = _open(path, code, monkeypatch)
+        store = eng.executor.store
+        force_planset(eng, _streaming_planset(eng, 2))
+        names = [s.name for s in eng.spec.sublayers if s.kind in ("attn", "ffn")]
+        calls, real = [], eng.accel.copy_coded
+
+        def spy(dst, coded, stages, after=None, keep=True, real=real, calls=calls):
+            calls.append(keep)
+            return real(dst, coded, stages, after, keep)
+        monkeypatch.setattr(eng.accel, "copy_coded", spy)
+        place = dict(_streaming_planset(eng, 2).plans[0].placement)
+        place.update({n: Placement.RESIDENT for n in names[:2]})        # (layer 0; layer 1 still streams)
+        force_planset(eng, PlanSet(eng.budget, [Plan(t, "manual", dict(place), 2) for t in eng.tiers]))
+        for n in names[:2]:
+            assert torch.equal(store.resident[n][0].cpu(), store.sublayers[n].host.cpu())
+        assert (calls.count(False) == 2) is code             # one coded copy per admission, not kept
+        slot_ptrs = {b.data_ptr() for b in store.slots}
+        assert all(ptr in slot_ptrs for ptr, _ in (store.stages._programs if code else {}))
+        out[code] = eng.score(ids)
+        weights = eng.accel.used["weights"]
+        force_planset(eng, _streaming_planset(eng, 2))
+        assert eng.accel.used["weights"] == weights - sum(store.sublayers[n].nbytes for n in names[:2])
+        eng.close()
+    assert torch.equal(out[True], out[False])
+
+
 def _cpu_tokens(path, prompt: str, n: int) -> list[int]:
     cpu = engine.open_model(path, device="cpu", backend="torch")
     try:

@@ -1,11 +1,12 @@
 #!/bin/bash
-# Session 24's next call, BJ (written, not run; about 6.5 min). Copy into carry/ with the profile (h200-profile.json).
-# 1) The CUDA tests of the KV cache and the executor (a KV pool resize now copies its kept blocks in one copy a
-#    part, not one a block; host pools keep their room across a capacity cut).
-# 2) prefill_timeline at 4 and 8 GiB with the activation's parts listed (evictions, admissions, KV resizes, slots):
-#    what is left of the first long prompt's activation (call BH: 74 / 341 ms), and why the second 4096-token
-#    prompt's step is slower than the first (BG, BH: 240 vs 221 ms at 8 GiB; planner_accuracy's step: 156 ms).
-# 3) The suite's MoE 2 GiB row with the issuer fixed (the table keeps call BC's; BH's read 18.6 t/s before the fix).
+# Session 24's next call, BJ (written, not run; about 7 min). Copy into carry/ with the profile (h200-profile.json).
+# 1) The CUDA tests of the KV cache, the executor and transfer coding (admissions now allocated while the copies
+#    before them run, waited for together, and coded through the staging ring where it is there: not yet on CUDA).
+# 2) prefill_timeline at 4 and 8 GiB with the activation's parts and the KV spills listed: the 8 GiB first long
+#    prompt's activation with the admissions pipelined (call BJ0: 212 ms, six admissions one after another 193 ms).
+# 3) The KV spill's host copies in one native call over the pool (kv_spill_rate: PyTorch's copies against
+#    kernels.copy_many on this host's 16 cores; BJ0 saw 71 ms of a 313 ms 4096-token step spent spilling at 4 GiB).
+# 4) The suite's MoE 2 GiB row with the issuer fixed (the table keeps call BC's; BH's read 18.6 t/s before the fix).
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site carry/*.whl 2>/dev/null
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PYTHONFAULTHANDLER=1
 W=/tmp/callbj; mkdir -p $W
@@ -20,6 +21,9 @@ step "prefill timeline, 4 and 8 GiB"
 timeout 150 python3 -m engine.bench.prefill_timeline --shape llama3-8b --budgets 4GiB,8GiB --runs 2 \
   --out $W/timeline > $W/timeline.log 2>&1; echo "rc=$?"
 grep -v USDT $W/timeline.log | cut -c1-160 | head -70
+step "KV spill copies, PyTorch against the native pool"
+timeout 60 python3 -m engine.bench.kv_spill_rate --shape llama3-8b --tokens 4096 --out $W/spill > $W/spill.log 2>&1; echo "rc=$?"
+tail -5 $W/spill.log
 step "MoE 2 GiB row"
 python3 -m engine bench --gpu --part slipstream --models qwen3-30b-a3b --budgets 2GiB --out $W/moe \
   --deadline-epoch $((D-8)) > $W/moe.log 2>&1; echo "rc=$?"; grep -h "slipstream qwen3\|opened" $W/moe.log | tail -3
