@@ -170,10 +170,7 @@ class CopyHandle:
 
 class IssuedHandle(CopyHandle):
     """A copy handed to the accelerator's issuer thread (`Accelerator.copy_coded_async`): the handle of the
-    copy as issued there, once it is."""
-
-    def __init__(self, accel: Accelerator, issued: Future):
-        super().__init__(accel, issued)
+    copy as issued there, once it is (its token: the issuer's Future of that handle)."""
 
     def done(self) -> bool:
         return self._token.done() and self._token.result().done()

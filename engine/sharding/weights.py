@@ -275,9 +275,6 @@ class WeightStore:
         buf, _ = self.resident.pop(name)
         self.accel.free(buf, "weights")
 
-    def admit(self, name: str) -> None:
-        self._admit(name, self.accel.compute_event()).wait_host()
-
     def _admit(self, name: str, after):
         """Give `name` a resident buffer and queue its copy there, after the compute event `after` (the
         buffer may reuse memory of one just evicted that queued compute still reads): transfer-coded
