@@ -268,7 +268,12 @@ class TorchEngine(Engine):
         if tokens > self.kv_tokens:
             self._apply_pending_budget()     # (a drop queued meanwhile first: never re-plan at the old budget)
             self.kv_tokens = self._kv_capacity(max(tokens, 2 * self.kv_tokens))
-            self._set_budget_now(self.budget, f"context grew to {tokens} tokens")
+            try:
+                self._set_budget_now(self.budget, f"context grew to {tokens} tokens")
+            except (torch.OutOfMemoryError, OutOfBudgetError) as exc:
+                # The grown pools meet the allocator's cap as a step can (session 25, call BJ: the MoE
+                # shape at 2 GiB in batched decode): re-plan smaller, as after a step's out-of-memory
+                self._back_off(exc, 0)
 
     def _initial_budget(self, vram_budget) -> int:
         if vram_budget is not None:

@@ -322,7 +322,7 @@ class PagedKVCache:
         if new_bytes > old_bytes:
             self.accel.book(new_bytes - old_bytes, "kv", f"KV cache of layer {layer}")
         try:
-            parts = self._new_parts(pool, n_blocks, on_gpu, device)
+            parts = self._new_parts_or_release(pool, n_blocks, on_gpu, device)
         except torch.OutOfMemoryError:
             if new_bytes > old_bytes:
                 self.accel.unbook(new_bytes - old_bytes, "kv")
@@ -356,6 +356,19 @@ class PagedKVCache:
         pin = self._pinned and not on_gpu
         return [torch.empty((n_blocks, *shape), dtype=dt, device=device, pin_memory=pin)
                 for shape, dt in pool.part_specs()]
+
+    def _new_parts_or_release(self, pool: LayerPool, n_blocks: int, on_gpu: bool, device) -> list[torch.Tensor]:
+        """`_new_parts`; on the GPU, once more after an out-of-memory with the allocator's cached blocks
+        given back. The booking fits the budget, so what stands in the way is those cached free blocks,
+        which count against the allocator's cap (session 25, call BJ: the MoE shape at 2 GiB, a context
+        grown in batched decode, a pool's 2 MiB refused with 228 MiB reserved and unused)."""
+        try:
+            return self._new_parts(pool, n_blocks, on_gpu, device)
+        except torch.OutOfMemoryError:
+            if not on_gpu:
+                raise
+            self.accel.release_to_driver()
+            return self._new_parts(pool, n_blocks, on_gpu, device)
 
     def _alloc_blocks(self, n: int) -> list[int]:
         """`n` blocks for new contents: free ones first (lowest ids), then cached ones least recently

@@ -147,3 +147,75 @@ def test_the_retry_survives_running_short_itself(tiny_model, monkeypatch):
     assert all(pool.on_gpu and plan.kv_on_gpu(i) for i, pool in enumerate(kv.pools))
     assert eng.accel.total_used <= eng.budget
     eng.close()
+
+
+def _attention_on_gpu_planset(full):
+    from engine.sharding.plan import Placement, Plan, PlanSet
+
+    def planset(self, budget, kv_tokens=None):     # attention (and so its KV) on the GPU while it fits
+        where = {s.name: (Placement.RESIDENT if s.kind == "attn" and budget >= full // 4 else Placement.CPU)
+                 for s in self.spec.sublayers}
+        return PlanSet(budget, [Plan(t, "manual", dict(where), 0) for t in self.tiers])
+    return planset
+
+
+def _growing_context(tiny_model, monkeypatch, fail_gpu_pools: int):
+    """A short prompt, then a long one whose KV growth meets `fail_gpu_pools` refused GPU pool allocations
+    (the allocator's cap): (tokens of the long prompt before, after, the engine, the releases asked for)."""
+    from engine.backends.torch_engine import TorchEngine
+    from engine.sharding.kvcache import PagedKVCache
+
+    eng = engine.open_model(tiny_model("llama3"), device="sim", backend="torch")
+    full = eng.spec.total_weight_bytes * 2
+    monkeypatch.setattr(TorchEngine, "_make_planset", _attention_on_gpu_planset(full))
+    eng.set_vram_budget(full)
+    long_prompt = "a b c " * 80
+    want = tokens_of(eng, long_prompt, 6)
+    eng.close()
+
+    eng = engine.open_model(tiny_model("llama3"), device="sim", backend="torch")
+    eng.set_vram_budget(full)
+    tokens_of(eng, "a b c", 2)
+    assert all(p.on_gpu for p in eng.executor.kv.pools)
+    real_parts = PagedKVCache._new_parts
+    state = {"left": fail_gpu_pools, "released": 0}
+
+    def capped_parts(self, pool, n_blocks, on_gpu, device):
+        if on_gpu and n_blocks > pool.capacity and state["left"]:
+            state["left"] -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated: the allocator's cap)")
+        return real_parts(self, pool, n_blocks, on_gpu, device)
+
+    def release():
+        state["released"] += 1
+
+    monkeypatch.setattr(PagedKVCache, "_new_parts", capped_parts)
+    monkeypatch.setattr(eng.accel, "release_to_driver", release)
+    got = tokens_of(eng, long_prompt, 6)
+    return want, got, eng, state, full
+
+
+def tokens_of(eng, prompt: str, n: int) -> list[int]:
+    return [e.token_id for e in eng.generate(prompt, max_new_tokens=n) if e.token_id is not None]
+
+
+def test_a_kv_pool_meeting_the_allocators_cap_gives_cached_blocks_back_and_grows(tiny_model, monkeypatch):
+    """A GPU pool that grows for a longer context and is refused once (cached free blocks of the allocator
+    count against its cap) is made again after the cache is given back: no back-off, same tokens."""
+    want, got, eng, state, full = _growing_context(tiny_model, monkeypatch, fail_gpu_pools=1)
+    assert got == want
+    assert state["left"] == 0 and state["released"] == 1
+    assert eng.budget == full and not any("out of memory" in r["reason"] for r in eng.replans)
+    assert all(p.on_gpu for p in eng.executor.kv.pools)
+    eng.close()
+
+
+def test_a_kv_growth_out_of_memory_backs_off_like_a_step(tiny_model, monkeypatch):
+    """Where the pools cannot grow on the GPU even then, the step re-plans at a smaller budget (as an
+    out-of-memory inside the step does) instead of ending the request: same tokens."""
+    want, got, eng, state, full = _growing_context(tiny_model, monkeypatch, fail_gpu_pools=1000)
+    assert got == want
+    assert state["released"] >= 1 and eng.budget < full
+    assert any("out of memory" in r["reason"] for r in eng.replans)
+    assert eng.accel.total_used <= eng.budget
+    eng.close()
