@@ -897,6 +897,7 @@ class TorchEngine(Engine):
         vp = self._vision_prompts.pop(id(ids), None)
         seq = Sequence() if vp is None else Sequence(rope_delta=vp.delta, cacheable=False)
         try:
+            self.executor.kv.request_started()
             sampler = Sampler(params)
             self._retry_budget()
             self._fit_kv_to_request(len(ids) + params.max_new_tokens)

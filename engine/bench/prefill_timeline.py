@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,7 +25,7 @@ WATCHED = (("executor", "activate"), ("executor", "forward_batch"), ("executor",
            ("engine", "_apply_pending_budget"), ("engine", "_make_planset"), ("accel", "release_to_driver"),
            ("accel", "synchronize"), ("executor", "_drain_slots"), ("store", "evict"), ("store", "admit"),
            ("store", "set_slots"), ("store", "drop_slots"), ("kv", "_resize"), ("kv", "shrink"), ("kv", "_grow"),
-           ("kv", "_spill"), ("kv", "restore"))
+           ("kv", "_spill"), ("kv", "_copy"), ("kv", "restore"), ("kvhost", "_add_chunk"))
 SHOWN_MS = 1.0      # spans shorter than this are summed per kind, not listed
 
 
@@ -37,7 +38,7 @@ class Timeline:
         self._undo = []
         ex = eng.executor
         owners = {"executor": ex, "engine": eng, "accel": eng.accel, "store": getattr(ex, "store", None),
-                  "kv": getattr(ex, "kv", None)}
+                  "kv": getattr(ex, "kv", None), "kvhost": getattr(getattr(ex, "kv", None), "host", None)}
         for owner, name in WATCHED:
             obj = owners[owner]
             fn = getattr(obj, name, None) if obj is not None else None
@@ -75,6 +76,10 @@ def _info(label: str, args) -> str:
         return "tokens " + "+".join(str(len(getattr(it, "ids", ()) or ())) for it in args[0])
     if label.endswith(".forward") and len(args) > 1:
         return f"tokens {len(args[1])}"
+    if label.endswith("._copy") and len(args) > 1:
+        return f"{len(args[0])} blocks {'to the host tier' if args[1] else 'back'}"
+    if label.endswith("._add_chunk"):
+        return f"(thread {threading.current_thread().name})"
     return ""
 
 

@@ -101,7 +101,6 @@ class LayerPool:
 
 DEFAULT_HOST_KV_BYTES = 4 << 30   # host-tier cap unless set: 4 GiB, or a quarter of the free RAM if less
 HOST_CHUNK_BYTES = 64 << 20       # the host tier grows by chunks of about this size
-_ALIGN = 256
 
 
 def default_host_kv_bytes() -> int:
@@ -117,11 +116,18 @@ def default_host_kv_bytes() -> int:
 class HostTier:
     """Host-memory slots, each holding one KV block of every layer (all parts: k, v and fp8 scales).
 
-    Slot s lives in chunk s // chunk_slots; a chunk is one flat buffer (pinned when `pin`) carved into a
-    [n, *block shape] view per layer and part, allocated when first needed, never more than `cap_bytes`
-    in all. Pinning is slow (~0.5 s per GiB) and stalls the other threads' page faults: a spill beside a
-    GPU takes only room pinned already, and `grow_ahead` pins what the next spill will want on a thread
-    while no sequence runs (one lock guards the chunks and the free list; a chunk is pinned under it)."""
+    Slot s lives in chunk s // chunk_slots; a chunk is one buffer per layer and part (pinned when `pin`),
+    a [n, *block shape] view, allocated when first needed, never more than `cap_bytes` in all. Pinning is
+    slow (~0.5 s per GiB) and stalls the other threads: a spill beside a GPU takes only room pinned already,
+    and `grow_ahead` pins what the next spill will want on a thread while no request runs. One lock guards
+    the chunks and the free list; chunks are made one at a time under another, and pinned outside the
+    first, so a slot taken from room already there never waits for a chunk being pinned. The grower pins a
+    chunk piece by piece and gives it up when a request starts (`set_idle(False)`): the pieces go back to
+    PyTorch's pinned cache, which hands them out again at once when the grower tries anew. Session 25, call
+    BL: a request right after another met the grower pinning a whole 64 MiB chunk (30-42 ms); the first
+    step's plan activation and its KV spill ran that much slower beside it (a 512-token prompt's spill of 64
+    MiB, 2.9 ms alone, took 29 ms). A pinned tier's chunks hold a power of two of slots, so the pieces are
+    not rounded up by that cache."""
 
     def __init__(self, pools: list[LayerPool], cap_bytes: int, pin: bool):
         self.specs = [p.part_specs() for p in pools]
@@ -129,9 +135,10 @@ class HostTier:
                            for specs in self.specs]
         self.slot_bytes = sum(map(sum, self.part_bytes))
         self.pin = pin
-        self.chunks: list[tuple[torch.Tensor, list[list[torch.Tensor]]]] = []
+        self.chunks: list[tuple[list[torch.Tensor], list[list[torch.Tensor]]]] = []   # (pieces, views)
         self.free: list[int] = []
         self._lock = threading.Lock()
+        self._make_lock = threading.Lock()     # one chunk made at a time (held while it is pinned)
         self._grower: threading.Thread | None = None
         self._target = 0           # free slots the grower pins up to
         self._idle = threading.Event()
@@ -144,7 +151,8 @@ class HostTier:
         assert not self.chunks
         self.cap_bytes = max(int(cap_bytes), 0)
         self.cap_slots = self.cap_bytes // self.slot_bytes if self.slot_bytes else 0
-        self.chunk_slots = max(1, min(HOST_CHUNK_BYTES // max(self.slot_bytes, 1), self.cap_slots))
+        slots = max(1, min(HOST_CHUNK_BYTES // max(self.slot_bytes, 1), self.cap_slots))
+        self.chunk_slots = 1 << (slots.bit_length() - 1) if self.pin else slots
 
     @property
     def allocated_slots(self) -> int:
@@ -152,7 +160,7 @@ class HostTier:
 
     @property
     def allocated_bytes(self) -> int:
-        return sum(buf.numel() for buf, _ in list(self.chunks))
+        return sum(piece.numel() for pieces, _ in list(self.chunks) for piece in pieces)
 
     def room(self, allocate: bool = True) -> int:
         """Slots that can be taken without dropping anything (`allocate` False: without allocating)."""
@@ -160,13 +168,14 @@ class HostTier:
             return len(self.free) + (self.cap_slots - self.allocated_slots if allocate else 0)
 
     def take(self, allocate: bool = True) -> int | None:
-        with self._lock:
-            if allocate and not self.free and self.allocated_slots < self.cap_slots:
-                self._add_chunk()
-            if not self.free:
-                return None
-            self.free.sort()      # lowest first: a sequence's slots stay contiguous (fewer, larger copies)
-            return self.free.pop(0)
+        while True:
+            with self._lock:
+                if self.free:
+                    self.free.sort()  # lowest first: a sequence's slots stay contiguous (fewer, larger copies)
+                    return self.free.pop(0)
+                if not allocate or self.allocated_slots >= self.cap_slots or self._closed:
+                    return None
+            self._add_chunk()
 
     def give(self, slot: int) -> None:
         with self._lock:
@@ -179,7 +188,7 @@ class HostTier:
             with self._lock:
                 if self._closed or self.allocated_slots >= self.cap_slots or self.allocated_bytes >= n_bytes:
                     return
-                self._add_chunk()
+            self._add_chunk()
 
     def grow_ahead(self, n_slots: int) -> None:
         """Make sure `n_slots` free slots (within the cap) are allocated soon: pinned on a thread while the
@@ -217,28 +226,41 @@ class HostTier:
                         self._target = 0
                     self._grower = None
                     return
-                self._add_chunk()
+            self._add_chunk(stop=lambda: not self._idle.is_set() or self._closed)
 
     def wait_grown(self) -> None:
         grower = self._grower
         if grower is not None:
             grower.join()
 
-    def _add_chunk(self) -> None:
-        first = self.allocated_slots
-        n = min(self.chunk_slots, self.cap_slots - first)
-        sizes = [-(-n * b // _ALIGN) * _ALIGN for layer in self.part_bytes for b in layer]
-        buf = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=self.pin)
-        views, off = [], 0
-        for specs in self.specs:
-            layer = []
-            for shape, dt in specs:
-                nbytes = n * math.prod(shape) * torch.tensor([], dtype=dt).element_size()
-                layer.append(buf[off:off + nbytes].view(dt).view(n, *shape))
-                off += -(-nbytes // _ALIGN) * _ALIGN
-            views.append(layer)
-        self.chunks.append((buf, views))
-        self.free.extend(range(first, first + n))
+    def _add_chunk(self, stop=None) -> bool:
+        """Make the next chunk (called without `_lock`; it is taken only to read and to add). `stop`: asked
+        before each piece; True gives the chunk up. Whether a chunk was added."""
+        with self._make_lock:
+            with self._lock:
+                first = self.allocated_slots
+                n = min(self.chunk_slots, self.cap_slots - first)
+                if n <= 0 or self._closed:
+                    return False
+            pieces, views = [], []
+            for specs in self.specs:
+                layer = []
+                for shape, dt in specs:
+                    if stop is not None and stop():
+                        return False
+                    nbytes = n * math.prod(shape) * torch.tensor([], dtype=dt).element_size()
+                    pieces.append(self._new_buffer(nbytes))
+                    layer.append(pieces[-1].view(dt).view(n, *shape))
+                views.append(layer)
+            with self._lock:
+                if self._closed:
+                    return False
+                self.chunks.append((pieces, views))
+                self.free.extend(range(first, first + n))
+                return True
+
+    def _new_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def rows(self, layer: int, slot: int, n: int) -> list[torch.Tensor]:
         """Views of slots slot..slot+n-1 (in one chunk) of one layer, one per part."""
@@ -475,6 +497,11 @@ class PagedKVCache:
         del seq.block_table[keep:]
         seq.length = length
         del seq.token_ids[length:]
+
+    def request_started(self) -> None:
+        """A request is starting: the host tier stops pinning before its plan activation and first step
+        (set idle again when the last sequence is released)."""
+        self.host.set_idle(False)
 
     def release(self, seq: Sequence) -> None:
         self.truncate(seq, 0)

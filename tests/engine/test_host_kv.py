@@ -203,7 +203,8 @@ def test_a_spill_beside_a_gpu_takes_only_pinned_room_and_pins_more_on_a_thread(m
     kv._pinned = True                      # (as beside a GPU; the sim tier's chunks are not pinned)
     threads = []
     add = kv.host._add_chunk
-    monkeypatch.setattr(kv.host, "_add_chunk", lambda: (threads.append(threading.current_thread().name), add())[1])
+    monkeypatch.setattr(kv.host, "_add_chunk",
+                        lambda **kw: (threads.append(threading.current_thread().name), add(**kw))[1])
     first = list(range(6 * BLOCK_SIZE))
     seq = Sequence()
     fill(kv, seq, first, seed=5)
@@ -776,3 +777,74 @@ def test_spill_and_restore_keep_the_bits_with_either_copy_path(native):
         assert all(same(contents(kv, s), w) for s, w in zip(seqs, want))
     finally:
         kernels.set_enabled(was)
+
+
+def test_a_slot_from_room_already_there_never_waits_for_a_chunk_being_pinned(monkeypatch):
+    """The grower pins a chunk (slow beside a GPU) while a spill takes slots pinned already: the spill's
+    takes return at once, and the chunk joins the tier when its pinning ends."""
+    import threading
+
+    kv = make_cache(host_blocks=40)
+    tier = kv.host
+    assert not tier.chunks
+    tier.chunk_slots = 8                   # (chunks of 8 slots: the tiny model's blocks are small)
+    tier.prewarm(1)                        # one chunk there
+    room = len(tier.free)
+    assert 0 < room < tier.cap_slots
+    pinning, release = threading.Event(), threading.Event()
+    new_buffer = tier._new_buffer
+
+    def slow_buffer(nbytes):
+        pinning.set()
+        release.wait(30)
+        return new_buffer(nbytes)
+
+    monkeypatch.setattr(tier, "_new_buffer", slow_buffer)
+    tier.grow_ahead(tier.cap_slots)
+    assert pinning.wait(30)
+    taken = []
+    taker = threading.Thread(target=lambda: taken.extend(tier.take(allocate=False) for _ in range(room + 1)))
+    taker.start()
+    taker.join(10)
+    stuck = taker.is_alive()
+    release.set()
+    taker.join()
+    tier.wait_grown()
+    assert not stuck
+    assert taken[:room] == list(range(room)) and taken[room] is None     # the room there, then none
+    assert tier.allocated_slots > room and len(tier.free) == tier.allocated_slots - room
+
+
+def test_the_grower_gives_a_chunk_up_when_a_request_starts_and_pins_it_later(monkeypatch):
+    """A request starting while the tier pins a chunk stops the pinning at the next piece (the request's
+    plan activation and first step would run beside it); the chunk is pinned once the request is done."""
+    import threading
+
+    kv = make_cache(host_blocks=40)
+    kv._pinned = True
+    tier = kv.host
+    tier.chunk_slots = 8
+    pinning, release = threading.Event(), threading.Event()
+    calls = []
+    new_buffer = tier._new_buffer
+
+    def slow_buffer(nbytes):
+        calls.append(nbytes)
+        if len(calls) == 1:
+            pinning.set()
+            release.wait(30)
+        return new_buffer(nbytes)
+
+    monkeypatch.setattr(tier, "_new_buffer", slow_buffer)
+    tier.grow_ahead(8)
+    assert pinning.wait(30)
+    kv.request_started()                   # mid-chunk: its first piece is being pinned
+    release.set()
+    tier.wait_grown()
+    assert tier.allocated_slots == 0 and len(calls) == 1       # given up after that piece
+    seq = Sequence()
+    fill(kv, seq, list(range(2 * BLOCK_SIZE)), seed=9)
+    kv.release(seq)                        # idle again: the grower pins the chunk whole
+    tier.wait_grown()
+    assert tier.allocated_slots == 8 and len(tier.free) == 8
+    assert len(calls) == 1 + sum(len(parts) for parts in tier.part_bytes)    # a piece per layer and part
