@@ -262,6 +262,7 @@ class Scheduler:
                 self.waiting.popleft()
             try:
                 # Plan for the KV it brings (blocks copied back from host RAM need room in the pools).
+                self.kv.request_started()
                 self.engine._retry_budget()
                 self.engine._ensure_kv_capacity((self.blocks_in_use() + need) * BLOCK_SIZE)
                 self._resume(req)
@@ -269,6 +270,7 @@ class Scheduler:
                 if req.seq is not None and not getattr(req.seq, "host_slots", None):
                     self.kv.release(req.seq)
                     req.seq = None
+                self.kv.settle()
                 if not self.running:         # nothing else runs: no room will come back for it
                     req.error = exc
                     self._retire(req)

@@ -505,7 +505,11 @@ class PagedKVCache:
 
     def release(self, seq: Sequence) -> None:
         self.truncate(seq, 0)
-        if not self.refs:                      # idle: the host tier may pin the room it wants now
+        self.settle()
+
+    def settle(self) -> None:
+        """Where no sequence holds a block any more (idle), the host tier may pin the room it wants now."""
+        if not self.refs:
             self.host.set_idle(True)
 
     def blocks_in_use(self) -> int:

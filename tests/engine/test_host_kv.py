@@ -848,3 +848,30 @@ def test_the_grower_gives_a_chunk_up_when_a_request_starts_and_pins_it_later(mon
     tier.wait_grown()
     assert tier.allocated_slots == 8 and len(tier.free) == 8
     assert len(calls) == 1 + sum(len(parts) for parts in tier.part_bytes)    # a piece per layer and part
+
+
+def test_a_request_stops_the_pinning_before_its_plan_activation_and_frees_it_at_its_end(tiny_model, monkeypatch):
+    """Generate and the batch scheduler both mark the tier busy before the request's first re-plan (the
+    plan activation and the first step run without the grower pinning beside them), and idle once done,
+    a request refused at admission included."""
+    from engine.backends.torch_engine import TorchEngine
+
+    eng = engine.open_model(tiny_model("llama3"), device="sim", backend="torch")
+    tier = eng.executor.kv.host
+    seen = []
+    real = TorchEngine._ensure_kv_capacity
+
+    def watch(self, tokens):
+        seen.append(tier._idle.is_set())
+        return real(self, tokens)
+
+    monkeypatch.setattr(TorchEngine, "_ensure_kv_capacity", watch)
+    list(eng.generate("a b c " * 40, max_new_tokens=3))
+    assert seen and not any(seen) and tier._idle.is_set()
+    seen.clear()
+    handles = [eng.submit(p, max_new_tokens=3, background=False) for p in ("x y", "p q r")]
+    while eng.step_batch():
+        pass
+    assert all(h.result().text is not None for h in handles)
+    assert seen and not any(seen) and tier._idle.is_set()
+    eng.close()
