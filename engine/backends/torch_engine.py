@@ -243,7 +243,7 @@ class TorchEngine(Engine):
     def _kv_capacity(self, tokens: int) -> int:
         return min(-(-tokens // BLOCK_SIZE) * BLOCK_SIZE, -(-self.max_kv_tokens // BLOCK_SIZE) * BLOCK_SIZE)
 
-    def _fit_kv_to_request(self, tokens: int) -> None:
+    def _fit_kv_to_request(self, tokens: int, step_tokens: int = 1) -> None:
         """At a request's start: a KV capacity grown for an earlier, longer context (its blocks stay cached
         for a prompt that shares them) is cut back to twice what the running sequences and this request's
         `tokens` need, rounded up to a power of two and at least INITIAL_KV_TOKENS, where that is less.
@@ -262,14 +262,16 @@ class TorchEngine(Engine):
             return                                                      # first, and may have cut it already)
         self.kv_tokens = target
         kv.shrink(target // BLOCK_SIZE)
-        self._set_budget_now(self.budget, f"KV capacity cut to {target} tokens for a shorter request")
+        self._set_budget_now(self.budget, f"KV capacity cut to {target} tokens for a shorter request", step_tokens)
 
-    def _ensure_kv_capacity(self, tokens: int) -> None:
+    def _ensure_kv_capacity(self, tokens: int, step_tokens: int = 1) -> None:
+        """Grow the KV capacity to hold `tokens` (re-planned; `step_tokens`: the new tokens of the step
+        about to run, whose plan the re-plan brings in where it would replace the one-token plan at once)."""
         if tokens > self.kv_tokens:
             self._apply_pending_budget()     # (a drop queued meanwhile first: never re-plan at the old budget)
             self.kv_tokens = self._kv_capacity(max(tokens, 2 * self.kv_tokens))
             try:
-                self._set_budget_now(self.budget, f"context grew to {tokens} tokens")
+                self._set_budget_now(self.budget, f"context grew to {tokens} tokens", step_tokens)
             except (torch.OutOfMemoryError, OutOfBudgetError) as exc:
                 # The grown pools meet the allocator's cap as a step can (session 25, call BJ: the MoE
                 # shape at 2 GiB in batched decode): re-plan smaller, as after a step's out-of-memory
@@ -418,9 +420,10 @@ class TorchEngine(Engine):
                 self._last_step_end = time.monotonic()
                 self._activity.notify_all()
 
-    def _set_budget_now(self, budget: int, reason: str) -> None:
+    def _set_budget_now(self, budget: int, reason: str, step_tokens: int = 1) -> None:
         """Re-plan for `budget` and bring memory to the new plan (called with the engine idle or at a
-        sub-layer boundary of the running step)."""
+        sub-layer boundary of the running step): the one-token plan's, or that of a step of `step_tokens`
+        about to run (`_first_plan`)."""
         t0 = time.perf_counter()
         if self.accel is not None:
             self.accel.refresh_overhead()
@@ -433,7 +436,7 @@ class TorchEngine(Engine):
             self.accel.budget = room
             self.accel.cap_allocator(budget)
         self.planset = planset
-        self.executor.activate(planset.for_tokens(1), kv_blocks=self.kv_tokens // BLOCK_SIZE)
+        self.executor.activate(self._first_plan(planset, step_tokens), kv_blocks=self.kv_tokens // BLOCK_SIZE)
         if shrinking:
             self.accel.budget = room
             self.executor.release_to_driver()
@@ -442,6 +445,21 @@ class TorchEngine(Engine):
         self.replans.append({"time": time.time(), "budget": budget, "reason": reason,
                              "replan_ms": (time.perf_counter() - t0) * 1e3})
         del self.replans[:-100]
+
+    def _first_plan(self, planset, step_tokens: int):
+        """The plan a re-plan brings memory to: the one-token plan, unless a larger step is about to run (a
+        prompt whose KV growth or cut asked for the re-plan) that `_plan_for_step` would not keep on it. Its
+        own plan then comes in at once, not after the one-token plan's weights have come in for nothing:
+        on the H200 the Llama-3-8B shape's first 4096-token prompt at 8 GiB after shorter ones spent 142-204
+        ms in the one-token plan's activation before its step (session 25, calls BJ, BL)."""
+        small = planset.for_tokens(1)
+        step_tokens = min(step_tokens, planset.step_tokens or planset.plans[-1].tier)   # (a prompt's first step)
+        if step_tokens <= SMALL_STEP or self.accel is None:
+            return small
+        plan = planset.for_tokens(step_tokens)
+        if plan is small or self._staying_pays(small, plan, step_tokens):
+            return small
+        return plan
 
     def _apply_pending_budget(self) -> bool:
         if self._pending_budget is None:      # (called between every two sub-layers: no lock while idle)
@@ -655,7 +673,7 @@ class TorchEngine(Engine):
         for attempt in range(8):
             self._apply_pending_budget()
             grow = sum(-(-(it.seq.length + len(it.ids)) // BLOCK_SIZE) - len(it.seq.block_table) for it in items)
-            self._ensure_kv_capacity((len(kv.refs) + max(grow, 0)) * BLOCK_SIZE)
+            self._ensure_kv_capacity((len(kv.refs) + max(grow, 0)) * BLOCK_SIZE, n_new)
             plan = self._plan_for_step(n_new)
             lengths = [it.seq.length for it in items]
             try:
@@ -900,11 +918,12 @@ class TorchEngine(Engine):
             self.executor.kv.request_started()
             sampler = Sampler(params)
             self._retry_budget()
-            self._fit_kv_to_request(len(ids) + params.max_new_tokens)
+            n_new = len(ids) - (self.executor.kv.cached_prefix(ids) if vp is None else 0)
+            self._fit_kv_to_request(len(ids) + params.max_new_tokens, n_new)
             if vp is None:
                 # Blocks this prompt shares with an earlier one (the conversation so far) are reused,
                 # copied back from the host-RAM tier where they were moved out of VRAM.
-                self._ensure_kv_capacity(len(ids))
+                self._ensure_kv_capacity(len(ids), n_new)
                 common = self.executor.kv.match_prefix(seq, ids)
                 logits = self._run(seq, ids[common:], False)[-1]
             else:

@@ -427,6 +427,16 @@ class PagedKVCache:
             seq.block_table.append(block)
         self._users[id(seq)] = seq
 
+    def cached_prefix(self, token_ids: list[int]) -> int:
+        """How many tokens `match_prefix` would reuse for `token_ids` now (in the pools or the host tier),
+        changing nothing."""
+        n = 0
+        for h in block_hashes(token_ids[:(len(token_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE]):
+            if h not in self.block_of and h not in self.host_block_of:
+                break
+            n += BLOCK_SIZE
+        return n
+
     @torch.inference_mode()
     def match_prefix(self, seq: Sequence, token_ids: list[int]) -> int:
         """Start an empty `seq` with the cached blocks of the longest cached prefix of `token_ids` (at

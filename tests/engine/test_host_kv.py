@@ -861,9 +861,9 @@ def test_a_request_stops_the_pinning_before_its_plan_activation_and_frees_it_at_
     seen = []
     real = TorchEngine._ensure_kv_capacity
 
-    def watch(self, tokens):
+    def watch(self, tokens, *args):
         seen.append(tier._idle.is_set())
-        return real(self, tokens)
+        return real(self, tokens, *args)
 
     monkeypatch.setattr(TorchEngine, "_ensure_kv_capacity", watch)
     list(eng.generate("a b c " * 40, max_new_tokens=3))
