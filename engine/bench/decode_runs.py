@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--issuer-variants", default="",
                     help="comma-separated off/on: the runs take turns with coded copies issued from the step's "
                          "thread or the accelerator's issuer thread (Accelerator.set_issue_thread)")
+    ap.add_argument("--ring-ahead-variants", default="",
+                    help="comma-separated off/on: the runs take turns with coded copies crossing into the staging "
+                         "ring before the compute that frees their slot, or after it (Accelerator.set_ring_ahead)")
     ap.add_argument("--cpu-variants", default="",
                     help="placements the runs take turns at: comma-separated, each 'none' (the planner's plan) or "
                          "sub-layer name patterns joined by '+' that the plan computes on the CPU")
@@ -127,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(v not in ("off", "on") for v in issuer):
         ap.error(f"--issuer-variants {args.issuer_variants}: expected off and on, comma-separated")
     args.issuer = [v == "on" for v in issuer]
+    ahead = [v for v in args.ring_ahead_variants.split(",") if v]
+    if any(v not in ("off", "on") for v in ahead):
+        ap.error(f"--ring-ahead-variants {args.ring_ahead_variants}: expected off and on, comma-separated")
+    args.ahead = [v == "on" for v in ahead]
     spins = [int(s) for s in args.spins.split(",") if s]
     if any(s < 0 for s in spins):
         ap.error(f"--spins {args.spins}: spin counts must be at least 0")
@@ -223,6 +230,9 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
         if args.issuer:
             eng.accel.set_issue_thread(args.issuer[turn(i, len(args.issuer))])
             one_run(eng, 690 + i, salt, 4)
+        if args.ahead:
+            eng.accel.set_ring_ahead(args.ahead[turn(i, len(args.ahead))])
+            one_run(eng, 790 + i, salt, 4)
         if spins:
             from engine import kernels
 
@@ -245,21 +255,22 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
         rows[-1]["split_plans"] = args.splits[turn(i, len(args.splits))] if args.splits else None
         rows[-1]["graph_host_io"] = args.host_io[turn(i, len(args.host_io))] if args.host_io else None
         rows[-1]["issue_thread"] = args.issuer[turn(i, len(args.issuer))] if args.issuer else None
+        rows[-1]["ring_ahead"] = args.ahead[turn(i, len(args.ahead))] if args.ahead else None
         rows[-1]["spin"] = spins[_spin_turn(i, spins, variants)] if spins else None
         rows[-1]["moved_to_cpu"] = "+".join(variants[turn(i, len(variants))]) or "none" if variants else None
         rows[-1]["variant"] = asked[turn(i, len(asked))] if variants else None
-    print("| run | profile | threads | spin | split | host io | issuer | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | profile | threads | spin | split | host io | issuer | ring ahead | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["token_ms"]
         copied = (r["counters"]["streamed_bytes"] or 0) / max(len(t) + 1, 1) / 2**20
-        print(f"| {r['run']} | {_short(r['profile'])} | {r['threads']} | {r['spin'] if r['spin'] is not None else '-'} | {_onoff(r['split_plans'])} | {_onoff(r['graph_host_io'])} | {_onoff(r['issue_thread'])} | {r['variant'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
+        print(f"| {r['run']} | {_short(r['profile'])} | {r['threads']} | {r['spin'] if r['spin'] is not None else '-'} | {_onoff(r['split_plans'])} | {_onoff(r['graph_host_io'])} | {_onoff(r['issue_thread'])} | {_onoff(r['ring_ahead'])} | {r['variant'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
               f"{statistics.median(t):.1f} | {max(t):.1f} | "
               f"{r['plan']['tier']}/{r['plan']['kind']} {r['plan']['predicted_ms']:.1f} | {r['kv_tokens']} | "
               f"{'; '.join(x['reason'] for x in r['replans']) or '-'} | {copied:.1f} |", flush=True)
     eng.close()
     path = write_report(args.out, "decode_runs", {"shape": args.shape, "budget": args.budget, "device": args.device,
-                                                  "profiles": names, "probed_rates": args.probed, "split_variants": args.splits, "host_io_variants": args.host_io, "issuer_variants": args.issuer, "threads": threads, "spins": spins,
+                                                  "profiles": names, "probed_rates": args.probed, "split_variants": args.splits, "host_io_variants": args.host_io, "issuer_variants": args.issuer, "ring_ahead_variants": args.ahead, "threads": threads, "spins": spins,
                                                   "cpu_variants": ["+".join(v) or "none" for v in variants], "rows": rows},
                         "python -m engine.bench.decode_runs " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"wrote {path}")

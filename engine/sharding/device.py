@@ -239,6 +239,7 @@ class Accelerator:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sim-copy")
         self.start_overhead = self.overhead
         self.issue_thread = os.environ.get("SLIPSTREAM_COPY_ISSUER", "1").lower() not in ("0", "off", "false", "no")
+        self.ring_ahead = os.environ.get("SLIPSTREAM_RING_AHEAD", "1").lower() not in ("0", "off", "false", "no")
         self._issuer: ThreadPoolExecutor | None = None
 
     @property
@@ -375,7 +376,14 @@ class Accelerator:
         there into `dst` on a stream of its own, so the copy engine moves chunk c + 1 while the GPU decodes
         chunk c. The handle covers both. Host work per piece is a few calls: the views are cut once per
         (buffer, destination) and the ring's events are reused (`keep` False: a destination copied into once,
-        such as a resident buffer, whose views the ring must not keep alive)."""
+        such as a resident buffer, whose views the ring must not keep alive).
+
+        `after` gates what writes into `dst`: the decodes, and raw pieces copied straight there. With
+        `ring_ahead` (SLIPSTREAM_RING_AHEAD, on unless 0) the coded pieces cross into the ring without waiting
+        for it, as far as the ring's free stages go: the copy engine moves a streamed sub-layer's first pieces
+        while the compute that last read its slot still runs (in a decode whose CPU sub-layers sit between
+        two streamed ones, that compute waits on the CPU, and the link stood idle meanwhile). Off, the whole
+        copy waits for `after` (as before session 25). Not yet measured on the GPU."""
         prog = stages.program(coded, dst, keep)
         if self.kind != "cuda":
             def run() -> None:
@@ -391,12 +399,17 @@ class Accelerator:
         ds = self._decode_stream
         arrived, done, used = stages.events()
         prev = torch.cuda.current_stream(self.device)
+        gate_cs = gate_ds = after is not None          # (each stream waits for `after` once, where it must)
         try:
             torch.cuda.set_stream(cs)
-            if after is not None:
+            if gate_cs and not self.ring_ahead:
                 cs.wait_event(after)
+                gate_cs = gate_ds = False
             for k, src, st, step in prog.steps:
-                if k is None:
+                if k is None:                        # a raw piece, straight into dst
+                    if gate_cs:
+                        cs.wait_event(after)
+                        gate_cs = False
                     st.copy_(src, non_blocking=True)
                     continue
                 if used[k]:
@@ -404,6 +417,9 @@ class Accelerator:
                 st.copy_(src, non_blocking=True)
                 arrived[k].record(cs)
                 torch.cuda.set_stream(ds)
+                if gate_ds:
+                    ds.wait_event(after)
+                    gate_ds = False
                 ds.wait_event(arrived[k])
                 step()
                 done[k].record(ds)
@@ -449,6 +465,13 @@ class Accelerator:
         issuer switched off)."""
         if self._issuer is not None:
             self._issuer.submit(lambda: None).result()
+
+    def set_ring_ahead(self, flag: bool) -> bool:
+        """Let coded pieces cross into the staging ring before the compute their copy waits for (see
+        `copy_coded`), or not (benchmarks compare both); returns the old state."""
+        self.issued()
+        old, self.ring_ahead = self.ring_ahead, bool(flag)
+        return old
 
     def set_issue_thread(self, flag: bool) -> bool:
         """Issue coded copies from the issuer thread or the caller's (benchmarks compare both); returns the

@@ -206,6 +206,27 @@ def test_decode_runs_take_turns_issuing_coded_copies_from_their_own_thread_or_no
     assert [r["issue_thread"] for r in report["rows"]] == [False, True, True, False]
 
 
+def test_decode_runs_take_turns_with_the_ring_running_ahead_or_not(tmp_path, monkeypatch):
+    """`--ring-ahead-variants off,on`: the runs alternate between coded copies waiting for their slot's
+    compute before crossing and crossing into the ring ahead of it; each run records which, and the
+    accelerator is left as the last run had it."""
+    from engine.bench import decode_runs
+
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE", "1")
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE_MIN", "0")
+    seen = []
+    from engine.sharding.device import Accelerator
+
+    real = Accelerator.set_ring_ahead
+    monkeypatch.setattr(Accelerator, "set_ring_ahead", lambda self, flag: (seen.append(flag), real(self, flag))[1])
+    assert decode_runs.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--runs", "4",
+                             "--tokens", "3", "--ring-ahead-variants", "off,on", "--order", "abba",
+                             "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode_runs.json").read_text())
+    assert report["ring_ahead_variants"] == [False, True]
+    assert [r["ring_ahead"] for r in report["rows"]] == [False, True, True, False] == seen
+
+
 def test_prefill_timeline_lists_each_prompts_steps_and_activations(tmp_path):
     from engine.bench import prefill_timeline
 

@@ -363,6 +363,38 @@ def test_the_fused_cuda_decode_matches_the_tensor_path():
     assert torch.equal(dev.cpu(), raw)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: streams and events")
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_coded_copy_writes_its_destination_only_after_the_compute_it_waits_for(ahead):
+    """`after` gates the writes into the destination, whether or not the pieces cross into the ring ahead of
+    it: compute that still writes the destination when the copy is asked for (a long sleep, then a fill)
+    is overwritten by the copy, never the other way round. Raw pieces (straight into the destination)
+    and coded ones both."""
+    if not tc.triton_available():
+        pytest.skip("no Triton")
+    from engine.sharding.device import Accelerator
+    from engine.sharding.weights import Stages
+
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(3_000_000, generator=g) * 0.02).to(torch.bfloat16)
+    raw = _bytes(w)
+    raw[: 2 << 20] = torch.randint(0, 256, (2 << 20,), dtype=torch.uint8, generator=g)   # a chunk kept raw
+    coded = tc.encode(raw, pin=True, chunk_words=1 << 20)
+    assert any(not c.coded for c in coded.chunks) and any(c.coded for c in coded.chunks)
+    accel = Accelerator("cuda")
+    accel.set_ring_ahead(ahead)
+    stages = Stages([torch.empty(coded.stage_bytes, dtype=torch.uint8, device="cuda") for _ in range(2)])
+    dst = torch.zeros(raw.numel(), dtype=torch.uint8, device="cuda")
+    torch.cuda._sleep(200_000_000)            # (about 0.1 s of GPU clock: the copy is asked for meanwhile)
+    dst.fill_(7)
+    after = torch.cuda.Event()
+    after.record()
+    handle = accel.copy_coded(dst, coded, stages, after=after, keep=False)
+    handle.wait_host()
+    torch.cuda.synchronize()
+    assert torch.equal(dst.cpu(), raw)
+
+
 def test_a_cuda_decode_that_does_not_build_leaves_coding_off(monkeypatch, caplog):
     """Triton present but its launcher not building (no C compiler) must not fail an open: raw streaming."""
     def broken(device):
