@@ -33,7 +33,7 @@ import torch
 from engine.errors import OutOfBudgetError
 from engine.generation import CancelToken, GenerationEvent, Sampler, SamplingParams, token_events
 from engine.sharding.executor import StepItem
-from engine.sharding.kvcache import BLOCK_SIZE, Sequence, block_hashes
+from engine.sharding.kvcache import BLOCK_SIZE, Sequence
 from engine.speculative import NgramIndex, accepted_prefix
 
 DEFAULT_MAX_RUNNING = 16
@@ -285,12 +285,7 @@ class Scheduler:
     def _cached_blocks(self, req: Request) -> int:
         if req.vision is not None:
             return 0
-        n = 0
-        for h in block_hashes(req.tokens[:(len(req.tokens) - 1) // BLOCK_SIZE * BLOCK_SIZE]):
-            if h not in self.kv.block_of:
-                break
-            n += 1
-        return n
+        return self.kv.cached_prefix(req.tokens, host=False) // BLOCK_SIZE
 
     def step_budget(self) -> int:
         return max(1, self.max_step_tokens or self.engine.step_token_budget())

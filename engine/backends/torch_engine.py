@@ -457,8 +457,8 @@ class TorchEngine(Engine):
         if step_tokens <= SMALL_STEP or self.accel is None:
             return small
         plan = planset.for_tokens(step_tokens)
-        if plan is small or self._staying_pays(small, plan, step_tokens):
-            return small
+        if plan is small or (not self._stayed and self._staying_pays(small, plan, step_tokens)):
+            return small                        # (as `_plan_for_step` decides for the small plan in place)
         return plan
 
     def _apply_pending_budget(self) -> bool:

@@ -427,12 +427,12 @@ class PagedKVCache:
             seq.block_table.append(block)
         self._users[id(seq)] = seq
 
-    def cached_prefix(self, token_ids: list[int]) -> int:
-        """How many tokens `match_prefix` would reuse for `token_ids` now (in the pools or the host tier),
-        changing nothing."""
+    def cached_prefix(self, token_ids: list[int], host: bool = True) -> int:
+        """How many tokens `match_prefix` would reuse for `token_ids` now, changing nothing (`host` False:
+        only those whose blocks are in the pools, not in the host tier)."""
         n = 0
         for h in block_hashes(token_ids[:(len(token_ids) - 1) // BLOCK_SIZE * BLOCK_SIZE]):
-            if h not in self.block_of and h not in self.host_block_of:
+            if h not in self.block_of and not (host and h in self.host_block_of):
                 break
             n += BLOCK_SIZE
         return n
