@@ -1,5 +1,7 @@
 #!/bin/bash
 # Session 25's next call, BO (written, not run; up to 9.5 min). Copy into carry/ with the profile (h200-profile.json).
+# 0) The CUDA tests of what changed after session 25's last call (the staging ring running ahead, a prompt's
+#    re-plan bringing in its step's plan, the tier's 256 MiB chunks) and of the host KV tier.
 # 1) prefill_timeline at 8 GiB with the admissions listed (`store.set_resident`): the first 4096-token prompt's
 #    activation took 142-204 ms in calls BJ and BL (kv._grow 19 ms, 55 small pool resizes 23 ms, the rest
 #    not yet placed).
@@ -14,6 +16,11 @@ W=/tmp/callbo; mkdir -p $W
 cp carry/h200-profile.json $W/profile.json; export SLIPSTREAM_PROFILE_DB=$W/profile.json
 T0=$(date +%s); D=$(( T0 + ${BUDGET_S:-560} ))
 step() { echo "=== $1 ($(( $(date +%s) - T0 )) s)"; }
+step "CUDA tests"
+SLIPSTREAM_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider --tb=short tests/engine/test_host_kv.py \
+  tests/engine/test_transfer_code.py tests/engine/test_oom_retry.py tests/engine/test_replan_first_plan.py \
+  tests/engine/test_executor.py > $W/tests.txt 2>&1
+grep -v "^  *File\|^$" $W/tests.txt | tail -8
 step "prefill timeline, 8 GiB"
 timeout 70 python3 -m engine.bench.prefill_timeline --shape llama3-8b --budgets 8GiB --runs 2 \
   --out $W/timeline > $W/timeline.log 2>&1; echo "rc=$?"
