@@ -25,7 +25,7 @@ WATCHED = (("executor", "activate"), ("executor", "forward_batch"), ("executor",
            ("engine", "_apply_pending_budget"), ("engine", "_make_planset"), ("accel", "release_to_driver"),
            ("accel", "synchronize"), ("executor", "_drain_slots"), ("store", "evict"), ("store", "set_resident"),
            ("store", "set_slots"), ("store", "drop_slots"), ("kv", "_resize"), ("kv", "shrink"), ("kv", "_grow"),
-           ("kv", "_spill"), ("kv", "_copy"), ("kv", "restore"), ("kvhost", "_add_chunk"))
+           ("kv", "_spill"), ("kv", "_copy"), ("kv", "ready"), ("kv", "restore"), ("kvhost", "_add_chunk"))
 SHOWN_MS = 1.0      # spans shorter than this are summed per kind, not listed
 
 

@@ -655,6 +655,7 @@ class Executor:
                           for i in range(0, x.shape[0], at_once)])
 
     def _attention(self, layer, w, x, segs: list[_Segment], decode: _DecodeGroup | None, cos_sin, dev):
+        self.kv.ready(layer)          # (a spill's copies of this layer's cache may still run on their thread)
         want_gpu = self.plan.kv_on_gpu(layer)
         if self.kv.pools[layer].on_gpu != want_gpu:
             self.kv.place_layer(layer, want_gpu)
@@ -738,6 +739,7 @@ class Executor:
                 or self.plan.placement[nxt] is not Placement.CPU):
             return None
         layer = int(name.split(".")[1])
+        self.kv.ready(layer)
         pool = self.kv.pools[layer]
         if (len(segs) != 1 or segs[0].n != 1 or not self.graph_attention or self.plan.host_kv_attention(layer)
                 or not pool.on_gpu or pool.fp8 or not self.plan.kv_on_gpu(layer)

@@ -875,3 +875,43 @@ def test_a_request_stops_the_pinning_before_its_plan_activation_and_frees_it_at_
     assert all(h.result().text is not None for h in handles)
     assert seen and not any(seen) and tier._idle.is_set()
     eng.close()
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_spill_on_its_thread_is_waited_for_by_the_writes_into_the_blocks_it_frees(monkeypatch, background):
+    """A spill's host copies run on the spill thread (slowed here to a crawl): the next sequence's cache
+    writes into the freed blocks wait for them, layer by layer, and the spilled blocks come back from the
+    tier bit for bit; off (SLIPSTREAM_KV_SPILL_THREAD=0) the same contents, copied in place."""
+    import threading
+    import time
+
+    from engine.sharding import kvcache
+
+    kv = make_cache(host_blocks=40, gpu_layers=())        # (every pool in host memory: copies on the thread)
+    kv.background_spill = background
+    real = kvcache._copy_pairs
+    threads = set()
+
+    def slow(moves):
+        threads.add(threading.current_thread().name)
+        time.sleep(0.05)
+        real(moves)
+
+    monkeypatch.setattr(kvcache, "_copy_pairs", slow)
+    first = list(range(8 * BLOCK_SIZE))                   # every pool block
+    seq = Sequence()
+    fill(kv, seq, first, seed=21)
+    want = contents(kv, seq)
+    kv.release(seq)                                       # cached, unused
+    other = Sequence()
+    fill(kv, other, [i + 1000 for i in range(4 * BLOCK_SIZE)], seed=22)   # spills 4 of them, writes over them
+    mine = contents(kv, other)
+    assert kv.host_stats["spilled_blocks"] == 4
+    assert threads == ({"slipstream-kv-spill_0"} if background else {"MainThread"})
+    kv.release(other)
+    again = Sequence()
+    assert kv.match_prefix(again, first + [0]) == len(first)   # 4 from the pools, 4 back from the tier
+    assert same(contents(kv, again), want)
+    assert not kv._spilling
+    kv.close()
+    assert mine
