@@ -338,6 +338,8 @@ class PagedKVCache:
             "0", "off", "false", "no")
         self._spiller: ThreadPoolExecutor | None = None
         self._spilling: dict[int, Future] = {}              # layer -> its latest spill copies
+        self._spill_stream = None                           # CUDA: the GPU layers' spill copies
+        self._spill_events: dict[int, torch.cuda.Event] = {}   # layer -> the end of its latest ones
 
     def set_host_capacity(self, n_bytes: int) -> None:
         """The host tier's cap in bytes (before anything was moved there)."""
@@ -590,9 +592,13 @@ class PagedKVCache:
         the compute stream: whatever later reads or overwrites either side is ordered after them. The
         copies between host memory on both sides (a layer whose cache is in host memory) go in one native
         call over the CPU pool (`kernels.copy_many`), else one PyTorch copy each; with `background` (a
-        spill's), a call per layer on the spill thread, in layer order (see `ready`)."""
-        self._settle_spills()
+        spill's), a call per layer on the spill thread, in layer order, and beside a GPU the copies out of
+        its pools on a stream of their own, an event per layer (see `ready`)."""
+        background = background and self.background_spill
+        if not background:
+            self._settle_spills()
         on_host: dict[int, list] = {}
+        off_gpu: dict[int, list] = {}
         for block, slot, n in _runs(pairs, self.host.chunk_slots):
             for layer, pool in enumerate(self.pools):
                 nb = pool.on_gpu and self._pinned
@@ -600,15 +606,37 @@ class PagedKVCache:
                     dst, src = (host, part[block:block + n]) if to_host else (part[block:block + n], host)
                     if dst.device.type == "cpu" and src.device.type == "cpu":
                         on_host.setdefault(layer, []).append((dst, src))
+                    elif background and nb:
+                        off_gpu.setdefault(layer, []).append((dst, src))
                     else:
                         dst.copy_(src, non_blocking=nb)
-        if background and self.background_spill and on_host:
+        if off_gpu:
+            self._spill_off_gpu(off_gpu)
+        if background and on_host:
             if self._spiller is None:
                 self._spiller = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-kv-spill")
             for layer, moves in on_host.items():
                 self._spilling[layer] = self._spiller.submit(_copy_pairs, moves)
             return
         _copy_pairs([m for moves in on_host.values() for m in moves])
+
+    def _spill_off_gpu(self, moves_of: dict[int, list]) -> None:
+        """Queue a spill's copies out of the GPU pools on the spill stream, after what the compute stream
+        queued so far (the blocks' last writes), and record an event per layer: the step's first kernels
+        no longer wait behind them on the compute stream (at 8 GiB all 32 layers' caches are there: 512 MiB
+        a 4096-token prompt, about 10 ms of the link)."""
+        device = self.accel.device
+        if self._spill_stream is None:
+            self._spill_stream = torch.cuda.Stream(device)
+        stream = self._spill_stream
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for layer, moves in moves_of.items():
+                for dst, src in moves:
+                    dst.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                self._spill_events[layer] = ev
 
     def ready(self, layer: int) -> None:
         """Wait for the spill copies of `layer` still running on the spill thread: before anything reads or
@@ -619,6 +647,9 @@ class PagedKVCache:
         pending = self._spilling.pop(layer, None)
         if pending is not None:
             pending.result()
+        ev = self._spill_events.pop(layer, None)
+        if ev is not None:           # (the GPU waits; the step's thread goes on queueing)
+            torch.cuda.current_stream(self.accel.device).wait_event(ev)
 
     def _pool(self, layer: int) -> LayerPool:
         """`layer`'s pool, once no spill copy of it still runs."""
@@ -626,9 +657,12 @@ class PagedKVCache:
         return self.pools[layer]
 
     def _settle_spills(self) -> None:
-        """Wait for every layer's spill copies (before an operation on every pool or on the tier's slots)."""
+        """Wait for every layer's spill copies (before an operation on every pool or on the tier's slots, which
+        the CPU may read: the host waits for the GPU's copies too)."""
         for layer in list(self._spilling):
             self.ready(layer)
+        for layer in list(self._spill_events):
+            self._spill_events.pop(layer).synchronize()
 
     def _spill(self, blocks: list[int]) -> None:
         """Cached, unused blocks leave the pools: each goes to the host tier (unless it is there already
@@ -791,6 +825,7 @@ class PagedKVCache:
         free_below = sum(1 for b in self.free_blocks if b < target)
         cached_below = [b for b in self.evictable if b < target]
         self._spill([b for b in self.evictable if b >= target] + cached_below[:max(0, len(above) - free_below)])
+        self._settle_spills()                  # (the moves below write blocks that spill reads)
         dest = sorted(b for b in self.free_blocks if b < target)[:len(above)]
         moved = dict(zip(above, dest))
         # One copy per run of blocks consecutive on both sides (a cut runs on a budget drop, the game waiting;

@@ -915,3 +915,44 @@ def test_a_spill_on_its_thread_is_waited_for_by_the_writes_into_the_blocks_it_fr
     assert not kv._spilling
     kv.close()
     assert mine
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the spill stream")
+def test_a_spill_out_of_gpu_pools_on_its_stream_is_waited_for_by_the_writes_after_it():
+    """Beside a GPU a spill's copies out of the GPU pools queue on a stream of their own, an event per
+    layer: the next sequence's writes into the freed blocks wait for them on the GPU (a long sleep queued
+    on the spill stream first makes any missing wait show), and the blocks come back bit for bit."""
+    acc = Accelerator("cuda")
+    acc.budget = 1 << 30
+    kv = PagedKVCache(CFG, torch.float32, acc, host_bytes=0)
+    kv.set_host_capacity(40 * kv.host.slot_bytes)
+    kv._grow(8)
+    for layer in range(CFG.num_layers):
+        kv.place_layer(layer, True)
+
+    def fill_cuda(seq, ids, seed):
+        g = torch.Generator().manual_seed(seed)
+        kv.reserve(seq, len(ids))
+        for layer in range(CFG.num_layers):
+            k, v = (torch.randn(CFG.num_kv_heads, len(ids), CFG.head_dim, generator=g).cuda() for _ in range(2))
+            with torch.inference_mode():
+                kv.write(layer, seq, seq.length, k, v)
+        seq.length += len(ids)
+        seq.token_ids.extend(ids)
+
+    first = list(range(8 * BLOCK_SIZE))
+    seq = Sequence()
+    fill_cuda(seq, first, 31)
+    want = [t.cpu() for t in contents(kv, seq)]
+    kv.release(seq)
+    kv._spill_stream = torch.cuda.Stream()
+    with torch.cuda.stream(kv._spill_stream):
+        torch.cuda._sleep(200_000_000)        # (about 0.1 s: the spill's copies start after it)
+    other = Sequence()
+    fill_cuda(other, [i + 1000 for i in range(4 * BLOCK_SIZE)], 32)
+    assert kv.host_stats["spilled_blocks"] == 4
+    kv.release(other)
+    again = Sequence()
+    assert kv.match_prefix(again, first + [0]) == len(first)
+    assert same([t.cpu() for t in contents(kv, again)], want)
+    kv.close()
