@@ -60,8 +60,11 @@ def _layer_temporaries(cfg, db: int, t: int) -> tuple[int, int]:
     if cfg.is_moe:
         k, f = cfg.num_experts_per_tok, cfg.moe_intermediate_size
         moe = t * (2 * h * db + 3 * cfg.num_experts * 4 + 4 * k * 8 + (3 * h + 4 * f) * db)
-        if t <= MOE_FEW_TOKENS:   # a layer in one call runs all of a group's experts over the step's tokens
-            moe = max(moe, t * (2 * h * db + cfg.experts_per_group * (4 * f + h) * db + 2 * k * h * db))
+        # a layer in one call (steps of up to MOE_FEW_TOKENS) runs all of a group's experts over the step's
+        # tokens; a larger tier covers it too, so a tier's scratch holds any smaller step's (a 64-token
+        # tier of a config with 15-expert groups had booked less than its 16-token tier)
+        few = min(t, MOE_FEW_TOKENS)
+        moe = max(moe, few * (2 * h * db + cfg.experts_per_group * (4 * f + h) * db + 2 * k * h * db))
         ffn = max(ffn, moe)
     return resid, max(attn, ffn)
 

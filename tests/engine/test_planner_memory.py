@@ -75,3 +75,20 @@ def test_scratch_covers_a_moe_layer_run_in_one_call():
     for t in (1, 4, MOE_FEW_TOKENS):
         whole_group = t * cfg.experts_per_group * (4 * f + h) * db + t * cfg.num_experts_per_tok * h * db
         assert memory.scratch_bytes(spec, t) - workspace >= whole_group, t
+
+
+def test_a_tiers_scratch_covers_every_smaller_step_of_a_moe_with_large_groups():
+    """A MoE layer of steps up to MOE_FEW_TOKENS tokens runs in one call over a whole group's experts; with
+    15-expert groups that had given the 16-token tier more scratch than the 64-token one (found by
+    `test_breakdown_parts`' random configs)."""
+    from engine.config import ModelConfig
+
+    cfg = ModelConfig(arch="qwen3_moe", vocab_size=256, hidden_size=64, intermediate_size=64, num_layers=1,
+                      num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      rope_scaling=None, max_position_embeddings=4096, tie_word_embeddings=False,
+                      attention_bias=False, qk_norm=True, sliding_window=None, dtype="float32", bos_token_id=None,
+                      eos_token_ids=(), num_experts=60, num_experts_per_tok=1, moe_intermediate_size=32,
+                      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=(), expert_group_size=15)
+    spec = ModelSpec.from_config(cfg)
+    scratch = [memory.scratch_bytes(spec, t) for t in (1, 4, 16, 64, 256, 1024, 4096)]
+    assert scratch == sorted(scratch)
