@@ -270,7 +270,7 @@ class Scheduler:
                 if req.seq is not None and not getattr(req.seq, "host_slots", None):
                     self.kv.release(req.seq)
                     req.seq = None
-                self.kv.settle()
+                self.kv.idle_if_unused()
                 if not self.running:         # nothing else runs: no room will come back for it
                     req.error = exc
                     self._retire(req)

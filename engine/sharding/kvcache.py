@@ -283,7 +283,8 @@ class HostTier:
 
 
 def _copy_pairs(moves: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy (dst, src) pairs of host tensors: one native call over the CPU pool, else one PyTorch copy each."""
+    """Copy (dst, src) pairs: one native call over the CPU pool where every pair is in host memory, else one
+    PyTorch copy each."""
     if moves and not kernels.copy_many(moves):
         with torch.inference_mode():
             for dst, src in moves:
@@ -385,9 +386,7 @@ class PagedKVCache:
             # block it was 2 x 32 x the kept blocks' copies: the activation before the Llama-3-8B shape's first
             # 4096-token prompt after shorter ones went 341 -> 212 ms at 8 GiB (session 24, calls BH, BJ0)
             moves = [(new_part[:keep], old_part[:keep]) for new_part, old_part in zip(parts, old_parts)]
-            if not kernels.copy_many(moves):            # (host memory on both sides only)
-                for dst, src in moves:
-                    dst.copy_(src)
+            _copy_pairs(moves)           # (one native call where both sides are in host memory)
         # Rows no token has written yet are zeros, never leftover bytes: a padded read (a batch's shorter
         # sequences, a captured decode attention's padded context) gathers them under a mask, and a
         # masked NaN still poisons the softmax's weighted sum (0 x NaN)
@@ -540,9 +539,9 @@ class PagedKVCache:
 
     def release(self, seq: Sequence) -> None:
         self.truncate(seq, 0)
-        self.settle()
+        self.idle_if_unused()
 
-    def settle(self) -> None:
+    def idle_if_unused(self) -> None:
         """Where no sequence holds a block any more (idle), the host tier may pin the room it wants now."""
         if not self.refs:
             self.host.set_idle(True)
