@@ -196,18 +196,37 @@ def _cpu_tokens(path, prompt: str, n: int) -> list[int]:
         cpu.close()
 
 
-def _follow(path, code: bool, monkeypatch, schedule: dict[int, PlanSet], prompt: str, n: int) -> list[int]:
+def _graph_state(eng) -> tuple:
+    """What a token's step ran from CUDA graphs so far (captures, replays, the reason they stopped, the
+    bookable budget): on CUDA, eager and captured one-token work may round apart."""
+    g = eng.executor.graphs
+    if g is None:
+        return ()
+    st = g.stats()
+    return (st["cuda_graph_captures"], st["cuda_graph_replays"], st["cuda_graph_error"], g._no_room,
+            eng.accel.overhead)
+
+
+def _follow(path, code: bool, monkeypatch, schedule: dict[int, PlanSet], prompt: str, n: int,
+            trace: list | None = None) -> list[int]:
     """Greedy tokens of `path` on DEVICE with coding on or off, the plan sets of `schedule` forced before
-    the first step (key -1) and after the step of each other key."""
+    the first step (key -1) and after the step of each other key (`trace`: each token's `_graph_state`)."""
     eng = _open(path, code, monkeypatch)
     force_planset(eng, schedule[-1])
     got = []
     for i, ev in enumerate(eng.generate(prompt, max_new_tokens=n)):
         got.append(ev.token_id)
+        if trace is not None:
+            trace.append(_graph_state(eng))
         if i in schedule:
             force_planset(eng, schedule[i])
     eng.close()
     return got
+
+
+def _first_difference(a: list, b: list) -> str:
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return "none" if at is None else f"token {at}: {a[at]} / {b[at]}"
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
@@ -230,9 +249,10 @@ def test_placements_changing_mid_generation_keep_the_tokens_coded(tiny_model, co
     rng = random.Random(11)
     schedule = {-1: random_planset(eng, rng, 2)}
     force_planset(eng, schedule[-1])
-    got = []
+    got, traces = [], {"coded": [], "raw": [], "coded again": [], "raw again": []}
     for i, ev in enumerate(eng.generate(prompt, max_new_tokens=24)):
         got.append(ev.token_id)
+        traces["coded"].append(_graph_state(eng))
         if i % 5 == 2:
             schedule[i] = random_planset(eng, rng, 1 + i % 3)
             force_planset(eng, schedule[i])
@@ -240,12 +260,17 @@ def test_placements_changing_mid_generation_keep_the_tokens_coded(tiny_model, co
     assert eng.executor.copied_bytes > 0 and eng.stats()["transfer_coded_sublayers"] > 0
     eng.close()
     assert eng.accel.total_used == 0
-    raw = _follow(path, False, monkeypatch, schedule, prompt, 24)
+    raw = _follow(path, False, monkeypatch, schedule, prompt, 24, traces["raw"])
     if got != raw:
-        # (once on CUDA, session 25's call BJ, at the last token; not in 36 runs since: say which side moves)
-        again = {code: _follow(path, code, monkeypatch, schedule, prompt, 24) for code in (True, False)}
+        # (on CUDA, session 25's call BJ and session 26's call BR, at the last token, the raw side's first
+        # run: say which side moves, and where the runs' CUDA graphs differed)
+        again = {code: _follow(path, code, monkeypatch, schedule, prompt, 24, traces[f"{name} again"])
+                 for code, name in ((True, "coded"), (False, "raw"))}
         pytest.fail(f"coded {got} != raw {raw}; replayed: coded {'same' if again[True] == got else again[True]}, "
-                    f"raw {'same' if again[False] == raw else again[False]}")
+                    f"raw {'same' if again[False] == raw else again[False]}; graphs (captures, replays, error, "
+                    f"no room, overhead) first differ: coded/raw {_first_difference(traces['coded'], traces['raw'])}"
+                    f", raw/raw again {_first_difference(traces['raw'], traces['raw again'])}; last: "
+                    + "; ".join(f"{k} {v[-1] if v else None}" for k, v in traces.items()))
     if DEVICE == "sim":
         assert got == _cpu_tokens(path, prompt, 24)
 
