@@ -1,8 +1,14 @@
 """N-gram (prompt lookup) speculative decoding: propose the tokens that followed the latest earlier
 occurrence of the context's last n tokens; the model verifies them all in one step.
 
-Verification keeps greedy output identical to plain decoding: a proposed token is accepted only where it
-equals the model's own argmax at that position, and the first mismatch is replaced by the argmax.
+Verification keeps greedy output that of plain decoding: a proposed token is accepted only where it
+equals the model's own argmax at that position, and the first mismatch is replaced by the argmax. On the
+CPU (and the simulated accelerator) the tokens are the same bit for bit. On a GPU a verify step is a
+multi-token step, whose bf16 kernels round apart from a one-token step's: where two tokens' logits all but
+tie, the argmax can differ from plain decoding's, and since the engine's default (`speculative=None`)
+decides from measured step times which steps verify proposals, two runs of one prompt can differ there
+(session 26, calls BO-BV: a tiny random model's 24th token, in runs that verified 6 and 17 proposals).
+`speculative=False` gives plain greedy decoding, the same tokens every run; the GPU suite measures that.
 """
 
 from __future__ import annotations
