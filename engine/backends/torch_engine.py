@@ -177,6 +177,9 @@ class TorchEngine(Engine):
         self.rate_probe: dict | None = None       # the rates the plans were moved to (_at_rates_now)
         # small-step tiers planned apart from the prompts' (Planner split_small; SLIPSTREAM_PLAN_SPLIT=1)
         self._split_plans = os.environ.get("SLIPSTREAM_PLAN_SPLIT", "0") == "1"
+        # the decode tier may stream through one slot where the planner prices that faster
+        # (planner.ONE_SLOT_TIERS; SLIPSTREAM_ONE_SLOT_DECODE=0 keeps two slots in every tier)
+        self._one_slot = os.environ.get("SLIPSTREAM_ONE_SLOT_DECODE", "1") != "0"
         # a CPU share of the streamed dense FFNs' rows (Plan.ffn_cpu_rows): True = where the planner predicts
         # it faster (SLIPSTREAM_FFN_SHARE=1), False = never (the default: measured slower on the H200, see
         # planner.SHARE_STEPS), N = N rows in every plan (benchmarks' A/B runs)
@@ -295,8 +298,11 @@ class TorchEngine(Engine):
             prof = self._profile
             if prof is None:
                 prof = self._at_rates_now(ProfileDatabase.for_device(self.device))
+            from engine.sharding.planner import ONE_SLOT_TIERS
+
             self._planner = Planner(self.spec, prof, tiers=self.tiers, split_small=self._split_plans,
-                                    ffn_share=self._ffn_share is True)
+                                    ffn_share=self._ffn_share is True,
+                                    one_slot_tiers=ONE_SLOT_TIERS if self._one_slot else ())
         return self._planner
 
     def _at_rates_now(self, prof):
@@ -532,6 +538,17 @@ class TorchEngine(Engine):
             if self.planset is not None:
                 self._set_budget_now(self.budget, f"small-step tiers planned {'apart' if flag else 'with the rest'}")
 
+    def one_slot_decode(self, flag: bool) -> None:
+        """Whether the decode tier may stream through one slot where the planner prices that faster
+        (`planner.ONE_SLOT_TIERS`, on by default; SLIPSTREAM_ONE_SLOT_DECODE=0 turns it off), re-planning at
+        once: benchmarks set the two beside each other in one engine (`engine.bench.decode_runs
+        --one-slot-variants`)."""
+        self._require_open()
+        with self._lock:
+            self._one_slot, self._planner = bool(flag), None
+            if self.planset is not None:
+                self._set_budget_now(self.budget, f"decode tier {'may stream through one slot' if flag else 'keeps two slots'}")
+
     def ffn_share(self, setting: bool | int) -> None:
         """Whether the CPU may compute a share of the streamed dense FFNs' rows (`Plan.ffn_cpu_rows`): True
         where the planner predicts it faster, False (the default) never, an int N that many rows in every
@@ -583,6 +600,7 @@ class TorchEngine(Engine):
         rep["cpu_matmul"] = kernels.status()
         rep["rate_probe"] = self.rate_probe
         rep["split_plans"] = self._split_plans
+        rep["one_slot_decode"] = self._one_slot
         if self.vision is not None:
             rep["vision"] = self._vision_report()
         return rep

@@ -55,7 +55,7 @@ def one_run(eng, run: int, salt: str, n_new: int) -> dict:
     s = eng.stats()
     plan = eng.executor.plan
     return {"run": run, "tps": s["decode_tokens_per_s"], "ttft_ms": times[0], "token_ms": [round(t, 2) for t in times[1:]],
-            "plan": {"tier": plan.tier, "kind": plan.kind, "predicted_ms": plan.predicted_ms},
+            "plan": {"tier": plan.tier, "kind": plan.kind, "predicted_ms": plan.predicted_ms, "n_slots": plan.n_slots},
             "kv_tokens": eng.kv_tokens,
             "replans": [{"reason": r["reason"], "budget": r["budget"]} for r in eng.replans[replans0:]],
             "counters": {k: (s.get(k) - before[k]) if isinstance(s.get(k), int | float) and isinstance(before[k], int | float)
@@ -89,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ring-ahead-variants", default="",
                     help="comma-separated off/on: the runs take turns with coded copies crossing into the staging "
                          "ring before the compute that frees their slot, or after it (Accelerator.set_ring_ahead)")
+    ap.add_argument("--one-slot-variants", default="",
+                    help="comma-separated off/on: the runs take turns with the decode tier kept at two streaming "
+                         "slots or allowed one where priced faster (TorchEngine.one_slot_decode; re-plans)")
     ap.add_argument("--cpu-variants", default="",
                     help="placements the runs take turns at: comma-separated, each 'none' (the planner's plan) or "
                          "sub-layer name patterns joined by '+' that the plan computes on the CPU")
@@ -130,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     if any(v not in ("off", "on") for v in issuer):
         ap.error(f"--issuer-variants {args.issuer_variants}: expected off and on, comma-separated")
     args.issuer = [v == "on" for v in issuer]
+    one_slot = [v for v in args.one_slot_variants.split(",") if v]
+    if any(v not in ("off", "on") for v in one_slot):
+        ap.error(f"--one-slot-variants {args.one_slot_variants}: expected off and on, comma-separated")
+    args.one_slot = [v == "on" for v in one_slot]
     ahead = [v for v in args.ring_ahead_variants.split(",") if v]
     if any(v not in ("off", "on") for v in ahead):
         ap.error(f"--ring-ahead-variants {args.ring_ahead_variants}: expected off and on, comma-separated")
@@ -233,6 +240,9 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
         if args.ahead:
             eng.accel.set_ring_ahead(args.ahead[turn(i, len(args.ahead))])
             one_run(eng, 790 + i, salt, 4)
+        if args.one_slot:
+            eng.one_slot_decode(args.one_slot[turn(i, len(args.one_slot))])
+            one_run(eng, 890 + i, salt, 4)              # (the re-plan and its weight moves out of the timed run)
         if spins:
             from engine import kernels
 
@@ -256,21 +266,22 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
         rows[-1]["graph_host_io"] = args.host_io[turn(i, len(args.host_io))] if args.host_io else None
         rows[-1]["issue_thread"] = args.issuer[turn(i, len(args.issuer))] if args.issuer else None
         rows[-1]["ring_ahead"] = args.ahead[turn(i, len(args.ahead))] if args.ahead else None
+        rows[-1]["one_slot"] = args.one_slot[turn(i, len(args.one_slot))] if args.one_slot else None
         rows[-1]["spin"] = spins[_spin_turn(i, spins, variants)] if spins else None
         rows[-1]["moved_to_cpu"] = "+".join(variants[turn(i, len(variants))]) or "none" if variants else None
         rows[-1]["variant"] = asked[turn(i, len(asked))] if variants else None
-    print("| run | profile | threads | spin | split | host io | issuer | ring ahead | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | profile | threads | spin | split | host io | issuer | ring ahead | one slot | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["token_ms"]
         copied = (r["counters"]["streamed_bytes"] or 0) / max(len(t) + 1, 1) / 2**20
-        print(f"| {r['run']} | {_short(r['profile'])} | {r['threads']} | {r['spin'] if r['spin'] is not None else '-'} | {_onoff(r['split_plans'])} | {_onoff(r['graph_host_io'])} | {_onoff(r['issue_thread'])} | {_onoff(r['ring_ahead'])} | {r['variant'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
+        print(f"| {r['run']} | {_short(r['profile'])} | {r['threads']} | {r['spin'] if r['spin'] is not None else '-'} | {_onoff(r['split_plans'])} | {_onoff(r['graph_host_io'])} | {_onoff(r['issue_thread'])} | {_onoff(r['ring_ahead'])} | {_onoff(r['one_slot'])} | {r['variant'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
               f"{statistics.median(t):.1f} | {max(t):.1f} | "
-              f"{r['plan']['tier']}/{r['plan']['kind']} {r['plan']['predicted_ms']:.1f} | {r['kv_tokens']} | "
+              f"{r['plan']['tier']}/{r['plan']['kind']}/{r['plan']['n_slots']} slots {r['plan']['predicted_ms']:.1f} | {r['kv_tokens']} | "
               f"{'; '.join(x['reason'] for x in r['replans']) or '-'} | {copied:.1f} |", flush=True)
     eng.close()
     path = write_report(args.out, "decode_runs", {"shape": args.shape, "budget": args.budget, "device": args.device,
-                                                  "profiles": names, "probed_rates": args.probed, "split_variants": args.splits, "host_io_variants": args.host_io, "issuer_variants": args.issuer, "ring_ahead_variants": args.ahead, "threads": threads, "spins": spins,
+                                                  "profiles": names, "probed_rates": args.probed, "split_variants": args.splits, "host_io_variants": args.host_io, "issuer_variants": args.issuer, "ring_ahead_variants": args.ahead, "one_slot_variants": args.one_slot, "threads": threads, "spins": spins,
                                                   "cpu_variants": ["+".join(v) or "none" for v in variants], "rows": rows},
                         "python -m engine.bench.decode_runs " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"wrote {path}")

@@ -2,7 +2,8 @@
 
 Each sub-layer runs where its plan puts it: `resident` from its VRAM copy, `streamed` from a slot that the
 copy engine filled ahead of time (double-buffered: while one slot is computed on, the next streamed
-sub-layer is copied into the other; prefetch carries across steps), `cpu` from host memory. Activations
+sub-layer is copied into the other; prefetch carries across steps; a plan of one slot, as a decode plan may
+be, copies the next sub-layer once the slot's compute is done), `cpu` from host memory. Activations
 cross between CPU and GPU only where consecutive sub-layers sit on different sides. The KV cache of a
 layer lives where that layer's attention runs. In a mixture-of-experts layer the router (`ffn`) and each
 expert group run where each is placed, the `MoeState` between them crossing sides like the hidden state;

@@ -72,6 +72,16 @@ REFERENCE_DECODE = 256   # decode steps in the reference workload that `score` p
 # 16-token steps (MoE 2 GiB 184.1 against 169.8 ms, Llama 8 GiB 126.6 against 108.7) for the same one-token
 # plans; with it among the large tiers, 169.8 and 101.3.
 SPLIT_TIER = 4
+# Tiers whose plans may stream through one slot instead of the planner's `n_slots`, where the pipeline prices
+# that faster by more than ONE_SLOT_MIN_GAIN (`Planner(one_slot_tiers=...)`). In a decode step the CPU's
+# sub-layers between two streamed ones give the copy engine its time anyway, so the second slot buys little
+# and its VRAM holds one more sub-layer resident instead: the H200 profile prices the Llama-3-8B decode at
+# 2 / 4 / 8 GiB 1.0 / 1.4 / 1.9% faster (109.4 / 95.3 / 65.7 ms against 110.5 / 96.7 / 67.0), and every
+# larger tier slower (tier 16 at 4 GiB: 179.9 against 145.7 ms). A switch to and from a prompt's tier then
+# also re-makes the slots, and the decode's extra resident FFN comes back after each prompt (about 7 ms of
+# copies on that machine).
+ONE_SLOT_TIERS = (1,)
+ONE_SLOT_MIN_GAIN = 0.005
 _M_STEPS = (*range(17), 20, 24, 28, 32, 45, 64, 90, 128)   # streamed FFN counts tried (one FFN moves a
 # decode step's balance between the CPU and the copy engine by several milliseconds: fine steps where it counts)
 # Attention over host-resident KV only for steps of at least this many tokens: each such layer's copies
@@ -180,9 +190,15 @@ class Family:
         sizes = sublayer_bytes(spec)
         nb = np.array([sizes[s.name] for s in subs], dtype=np.int64)
         self.weights = ((self.place == RES) * nb).sum(1)
-        self.slots = np.minimum(n_slots, n_str) * np.where(streams, nb, 0).max(1) \
-            + np.where(np.minimum(n_slots, n_str) > 0, stage_ring_bytes(spec), 0)
+        self._largest_streamed = np.where(streams, nb, 0).max(1)
+        self._ring = stage_ring_bytes(spec)
+        self.slots = self.slot_bytes(n_slots)
         self.any_gpu = (self.place != CPU).any(1)
+
+    def slot_bytes(self, n_slots: int) -> np.ndarray:
+        """[B] VRAM of each member's streaming slots (and the staging ring beside them) with `n_slots`."""
+        used = np.minimum(n_slots, self.n_str)
+        return used * self._largest_streamed + np.where(used > 0, self._ring, 0)
 
     @staticmethod
     def _with_host_routers(rows: np.ndarray, routers: list[int | None], groups: dict[int, list[int]]) -> np.ndarray:
@@ -296,7 +312,7 @@ class Planner:
 
     def __init__(self, spec: ModelSpec, prof: ProfileDatabase, tiers: tuple[int, ...] = DEFAULT_TIERS,
                  n_slots: int = 2, head_rows: int | None = 1, split_small: bool = False,
-                 ffn_share: bool = False):
+                 ffn_share: bool = False, one_slot_tiers: tuple[int, ...] = ONE_SLOT_TIERS):
         if not tiers or any(int(t) < 1 for t in tiers):
             raise BadInputError(f"tiers={tiers!r}: expected positive token counts")
         self.spec, self.prof = spec, prof
@@ -307,10 +323,14 @@ class Planner:
         self.ffn_share = ffn_share
         self.tiers = tuple(sorted({int(t) for t in tiers}))
         self.n_slots = max(1, int(n_slots))
+        # tiers also priced with one slot (`ONE_SLOT_TIERS`): their column of the tables at one slot
+        self.one_slot = tuple(i for i, t in enumerate(self.tiers) if t in set(one_slot_tiers)) \
+            if self.n_slots > 1 else ()
         self.estimator = Estimator(spec, prof, head_rows)
         self.family = Family(spec, self.n_slots) if prof.has_gpu else None
         self._tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        self._fronts: dict[tuple[int, str, int, int], _Front] = {}
+        self._one_slot_tables: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # [B, len(one_slot)] each
+        self._fronts: dict[tuple[int, str, int, int, int], _Front] = {}
         self._shared: dict[tuple[int, int], dict[int, tuple[float, int]]] = {}   # (KV, tier) -> member -> share
 
     # ---- the estimator -------------------------------------------------------------------------
@@ -345,6 +365,14 @@ class Planner:
                              for a in range(0, len(fam.place), step))])
             ms += np.stack([est.mixed_layer_ms(fam.place, t) for t in self.tiers], 1)
             ms = _round_significant(ms, 12)   # equal schedules compare equal despite rounding noise
+            if self.one_slot:
+                cols = list(self.one_slot)
+                vram1 = vram[:, cols] - fam.slots[:, None] + fam.slot_bytes(1)[:, None]
+                ms1 = np.concatenate([
+                    np.stack([priced(pipe, costs[ti]) for ti in cols], 1)
+                    for pipe in (est.pipeline(fam.place[a:a + step], 1) for a in range(0, len(fam.place), step))])
+                ms1 += np.stack([est.mixed_layer_ms(fam.place, self.tiers[ti]) for ti in cols], 1)
+                self._one_slot_tables[kv_tokens] = (vram1, _round_significant(ms1, 12))
             self._tables[kv_tokens] = (vram, ms)
         return self._tables[kv_tokens]
 
@@ -366,16 +394,23 @@ class Planner:
         if self.family is not None:
             self._table(max(int(kv_tokens), 0), pause)
 
-    def _front(self, kv_tokens: int, kind: str, group: int, ti: int) -> _Front | None:
-        key = (kv_tokens, kind, group, ti)
+    def _front(self, kv_tokens: int, kind: str, group: int, ti: int, n_slots: int | None = None) -> _Front | None:
+        """The front of tier `ti`'s members of `kind` and `group`, streaming through the planner's slots, or
+        (`n_slots` 1, for a tier in `one_slot`) through one."""
+        one = n_slots == 1 and self.n_slots > 1
+        key = (kv_tokens, kind, group, ti, 1 if one else self.n_slots)
         if key not in self._fronts:
             vram, ms = self._table(kv_tokens)
+            col = ti
+            if one:
+                vram, ms = self._one_slot_tables[kv_tokens]
+                col = self.one_slot.index(ti)
             sel = self.family.masks[kind] & (self.family.group == group)
             if self.tiers[ti] < HKV_MIN_TIER:
                 sel &= ~self.family.hkv
             members = np.nonzero(sel)[0]
             fam = self.family
-            self._fronts[key] = (_Front(members, vram[members, ti], ms[members, ti], fam.n_str[members])
+            self._fronts[key] = (_Front(members, vram[members, col], ms[members, col], fam.n_str[members])
                                  if len(members) else None)
         return self._fronts[key]
 
@@ -395,17 +430,22 @@ class Planner:
         kv_tokens = max(int(kv_tokens), 0)
         if self.family is None:
             return self._all_cpu(budget, kv_tokens, kind, strict)
-        hits: dict[int, list] = {}          # group -> per tier: ((member, ms), of the forced kind) or None
+        hits: dict[int, list] = {}   # group -> per tier: ((member, ms), of the forced kind, slots) or None
         for group in np.unique(self.family.group):
             row = hits[int(group)] = []
             for ti in range(len(self.tiers)):
-                hit, strict_hit = None, False
-                if kind != "auto" and (front := self._front(kv_tokens, kind, int(group), ti)) is not None:
-                    hit = front.lookup(budgets[ti])
-                    strict_hit = hit is not None
-                if hit is None and (front := self._front(kv_tokens, "auto", int(group), ti)) is not None:
-                    hit = front.lookup(budgets[ti])
-                row.append(None if hit is None else (hit, strict_hit))
+                found = None
+                for n_slots in ((self.n_slots, 1) if ti in self.one_slot else (self.n_slots,)):
+                    hit, strict_hit = None, False
+                    if kind != "auto" and (front := self._front(kv_tokens, kind, int(group), ti, n_slots)) is not None:
+                        hit = front.lookup(budgets[ti])
+                        strict_hit = hit is not None
+                    if hit is None and (front := self._front(kv_tokens, "auto", int(group), ti, n_slots)) is not None:
+                        hit = front.lookup(budgets[ti])
+                    if hit is not None and (found is None or (strict_hit, -hit[1]) > (found[1], -found[0][1] * (
+                            1 - ONE_SLOT_MIN_GAIN))):
+                        found = (hit, strict_hit, n_slots)
+                row.append(found)
         small = [ti for ti, t in enumerate(self.tiers) if t <= SPLIT_TIER] if self.split_small else []
         best = None
         for g_small in (hits if small else (None,)):
@@ -413,20 +453,21 @@ class Planner:
                 row = [hits[g_small][ti] if ti in small else hits[g_large][ti] for ti in range(len(self.tiers))]
                 if any(h is None for h in row):
                     continue
-                picks = [h for h, _ in row]
-                cand = (-sum(st for _, st in row),
+                picks = [h for h, _, _ in row]
+                cand = (-sum(st for _, st, _ in row),
                         score([(t, ms) for t, (_, ms) in zip(self.tiers, picks)])
                         + self._split_cost(g_small, g_large, kv_tokens))
                 if best is None or cand < best[0]:
-                    best = (cand, picks, g_small, g_large)
+                    best = (cand, picks, g_small, g_large, [n for _, _, n in row])
         if strict and kind != "auto" and -best[0][0] < len(self.tiers):
             need = format_bytes(self.min_budget(kind, kv_tokens))
             raise BudgetError(f"no {kind} plan fits a VRAM budget of {format_bytes(budget)} for every tier "
                               f"(the {kind} plans need at least {need})")
         groups = [best[2] if ti in small else best[3] for ti in range(len(self.tiers))]
-        plans = [self._make_plan(*(self._with_share(kv_tokens, ti, groups[ti], b, m, ms) if kind == "auto"
-                                   else (m, ms, 0)), tier, kind, kv_tokens, b)
-                 for ti, ((m, ms), tier, b) in enumerate(zip(best[1], self.tiers, budgets))]
+        plans = [self._make_plan(*(self._with_share(kv_tokens, ti, groups[ti], b, m, ms)
+                                   if kind == "auto" and n_slots == self.n_slots else (m, ms, 0)),
+                                 tier, kind, kv_tokens, b, n_slots)
+                 for ti, ((m, ms), tier, b, n_slots) in enumerate(zip(best[1], self.tiers, budgets, best[4]))]
         return PlanSet(budget, plans, step_tokens=best_step_tokens(plans))
 
     def _split_cost(self, g_small: int | None, g_large: int, kv_tokens: int) -> float:
@@ -496,7 +537,7 @@ class Planner:
         return best_member, best_ms, known[best_member][1]
 
     def _make_plan(self, member: int, ms: float, ffn_cpu_rows: int, tier: int, kind: str, kv_tokens: int,
-                   budget: int) -> Plan:
+                   budget: int, n_slots: int | None = None) -> Plan:
         row = self.family.place[member]
         placement = {s.name: _PLACEMENT[int(c)] for s, c in zip(self.spec.sublayers, row)}
         label = str(self.family.label[member])
@@ -505,9 +546,10 @@ class Planner:
         if ffn_cpu_rows:
             label = "dynamic"            # (the CPU computes a share of the streamed FFNs)
         kv_layers = int(self.family.k[member])
-        vram = vram_breakdown(self.spec, placement, tier, kv_tokens, self.n_slots, kv_layers)
+        n_slots = self.n_slots if n_slots is None else n_slots
+        vram = vram_breakdown(self.spec, placement, tier, kv_tokens, n_slots, kv_layers)
         assert vram.total <= budget, (vram.total, budget)
-        return Plan(tier, label, placement, self.n_slots, ms, vram, kv_tokens, kv_layers, ffn_cpu_rows)
+        return Plan(tier, label, placement, n_slots, ms, vram, kv_tokens, kv_layers, ffn_cpu_rows)
 
     def moved_to_cpu(self, plan: Plan, patterns: tuple[str, ...]) -> Plan:
         """`plan` with the sub-layers whose names match any of `patterns` (shell-style: "layers.*.attn")

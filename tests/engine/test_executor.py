@@ -203,3 +203,46 @@ def test_fp8_cache_over_host_kv_matches_cpu(tiny_model):
     assert ((got_scores - want_scores).abs().max() / want_scores.abs().max()).item() < TOL
     assert [e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=24)] == want
     eng.close()
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_tiers_streaming_through_their_own_slot_counts_keep_the_tokens(tiny_model, monkeypatch, arch):
+    """The decode tier streams through one slot and the prompts' tiers through two, with another FFN
+    resident in the decode tier (as the planner's one-slot decode plans do): each switch between them
+    re-makes the slots, and the tokens are the CPU's (on "sim"; on CUDA, where a sub-layer's move between
+    the CPU and the GPU rounds bf16 its own way, those of the same plans with two slots everywhere)."""
+    path = tiny_model(arch)
+    prompts = ["the quick brown fox jumps over the lazy dog " * 4, "a lazy dog sleeps all day long " * 5]
+
+    def run(one_slot: bool):
+        eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB", speculative=False)
+        names = [s.name for s in eng.spec.sublayers]
+        kinds = {s.name: s.kind for s in eng.spec.sublayers}
+
+        def plan(tier: int) -> Plan:
+            place = {n: (Placement.STREAMED if kinds[n] in ("ffn", "experts") else
+                         Placement.RESIDENT if kinds[n] in ("attn", "head") else Placement.CPU) for n in names}
+            if tier == 1:
+                place["layers.0.ffn"] = Placement.RESIDENT
+            return Plan(tier, "manual", place, 1 if tier == 1 and one_slot else 2)
+        force_planset(eng, PlanSet(eng.budget, [plan(t) for t in eng.tiers], step_tokens=eng.tiers[-1]))
+        seen = []
+        activate = eng.executor.activate
+
+        def record(p, kv_blocks=None):
+            activate(p, kv_blocks)
+            seen.append((p.tier, len(eng.executor.store.slots)))
+            assert eng.accel.total_used <= eng.budget
+        monkeypatch.setattr(eng.executor, "activate", record)
+        got = [[e.token_id for e in eng.generate(p, max_new_tokens=10)] for p in prompts]
+        eng.close()
+        assert eng.accel.total_used == 0
+        return got, seen
+
+    got, seen = run(True)
+    assert (1, 1) in seen and any(tier > 1 and n == 2 for tier, n in seen), seen
+    if DEVICE == "sim":
+        cpu = engine.open_model(path, device="cpu", backend="torch", speculative=False)
+        assert got == [[e.token_id for e in cpu.generate(p, max_new_tokens=10)] for p in prompts]
+    else:
+        assert got == run(False)[0]

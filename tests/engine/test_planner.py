@@ -394,6 +394,8 @@ def test_a_paused_warm_prices_the_same_tables_in_small_blocks():
     assert whole.has_table(4096) and paused.has_table(4096)
     for a, b in zip(whole._tables[4096], paused._tables[4096]):
         assert np.array_equal(a, b)
+    for a, b in zip(whole._one_slot_tables[4096], paused._one_slot_tables[4096]):
+        assert np.array_equal(a, b)
     members, subs = paused.family.place.shape
     assert len(pauses) >= len(paused.tiers) * (members * subs // (1 << 17))
     assert len(pauses) > 10 * len(paused.tiers)
@@ -445,11 +447,39 @@ def test_a_plan_moved_to_the_gpu_is_priced_and_bad_entries_are_refused():
     assert all(moved.placement[f"layers.{i}.attn"] is Placement.STREAMED for i in range(32))
     assert moved.placement["layers.0.ffn"] is Placement.CPU
     assert moved.kv_layers == plan.kv_layers
-    attn = [s for s in spec.sublayers if s.kind == "attn"]
-    was_res = sum(s.weight_bytes for s in attn if plan.placement[s.name] is Placement.RESIDENT)
+    # (what leaves residency: attention now streamed, and layers.0.ffn where the plan kept it resident)
+    left = [s for s in spec.sublayers if s.kind == "attn" or s.name == "layers.0.ffn"]
+    was_res = sum(s.weight_bytes for s in left if plan.placement[s.name] is Placement.RESIDENT)
     assert moved.vram.weights >= plan.vram.weights - was_res + spec.by_name()["head"].weight_bytes
     assert moved.predicted_ms == pytest.approx(planner.estimate(moved, 1, planning_context(1, 2048)))
     assert parse_move("head=Streamed") == ("head", Placement.STREAMED)
     assert parse_move("layers.*.attn") == ("layers.*.attn", Placement.CPU)
     with pytest.raises(BadInputError, match="PLACE one of cpu, resident, streamed"):
         parse_move("head=gpu")
+
+
+@pytest.mark.parametrize("budget_gib", [2, 4, 8])
+def test_the_decode_tier_streams_through_one_slot_where_that_is_priced_faster(budget_gib):
+    """On the H200 profile the Llama-3-8B decode plan streams through one slot and keeps the second slot's
+    VRAM for weights, priced faster than the best two-slot plan by more than ONE_SLOT_MIN_GAIN; every larger
+    tier keeps two slots (its copies wait for the compute that frees a slot); with no one-slot tiers every
+    plan has two."""
+    from pathlib import Path
+
+    from engine.bench.shapes import get_shape
+    from engine.commands.plan import profile_from_file
+    from engine.sharding.planner import ONE_SLOT_MIN_GAIN
+
+    prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
+    spec = ModelSpec.from_config(get_shape("llama3-8b"))
+    budget = budget_gib << 30
+    one = Planner(spec, prof, tiers=(1, 4, 16, 512)).plan(budget, kv_tokens=4096)
+    two = Planner(spec, prof, tiers=(1, 4, 16, 512), one_slot_tiers=()).plan(budget, kv_tokens=4096)
+    assert [p.n_slots for p in two.plans] == [2, 2, 2, 2]
+    assert [p.n_slots for p in one.plans] == [1, 2, 2, 2]
+    decode = one.for_tokens(1)
+    assert decode.predicted_ms < two.for_tokens(1).predicted_ms * (1 - ONE_SLOT_MIN_GAIN)
+    assert decode.vram.slots < two.for_tokens(1).vram.slots <= 2 * decode.vram.slots
+    assert decode.vram.weights > two.for_tokens(1).vram.weights
+    assert all(p.vram.total <= budget for p in one.plans)
+    assert [p.predicted_ms for p in one.plans[1:]] == [p.predicted_ms for p in two.plans[1:]]
