@@ -121,26 +121,15 @@ def main(argv: list[str] | None = None) -> int:
             profiles.append(profile_from_file(name))
     args.probed = probed
 
-    splits = [v for v in args.split_variants.split(",") if v]
-    if any(v not in ("off", "on") for v in splits):
-        ap.error(f"--split-variants {args.split_variants}: expected off and on, comma-separated")
-    args.splits = [v == "on" for v in splits]
-    host_io = [v for v in args.host_io_variants.split(",") if v]
-    if any(v not in ("off", "on") for v in host_io):
-        ap.error(f"--host-io-variants {args.host_io_variants}: expected off and on, comma-separated")
-    args.host_io = [v == "on" for v in host_io]
-    issuer = [v for v in args.issuer_variants.split(",") if v]
-    if any(v not in ("off", "on") for v in issuer):
-        ap.error(f"--issuer-variants {args.issuer_variants}: expected off and on, comma-separated")
-    args.issuer = [v == "on" for v in issuer]
-    one_slot = [v for v in args.one_slot_variants.split(",") if v]
-    if any(v not in ("off", "on") for v in one_slot):
-        ap.error(f"--one-slot-variants {args.one_slot_variants}: expected off and on, comma-separated")
-    args.one_slot = [v == "on" for v in one_slot]
-    ahead = [v for v in args.ring_ahead_variants.split(",") if v]
-    if any(v not in ("off", "on") for v in ahead):
-        ap.error(f"--ring-ahead-variants {args.ring_ahead_variants}: expected off and on, comma-separated")
-    args.ahead = [v == "on" for v in ahead]
+    def onoff(option: str) -> list[bool]:
+        """An --X-variants value: comma-separated off/on -> the turns' flags."""
+        value = getattr(args, option.replace("-", "_") + "_variants")
+        turns = [v for v in value.split(",") if v]
+        if any(v not in ("off", "on") for v in turns):
+            ap.error(f"--{option}-variants {value}: expected off and on, comma-separated")
+        return [v == "on" for v in turns]
+    args.splits, args.host_io, args.issuer = onoff("split"), onoff("host-io"), onoff("issuer")
+    args.one_slot, args.ahead = onoff("one-slot"), onoff("ring-ahead")
     spins = [int(s) for s in args.spins.split(",") if s]
     if any(s < 0 for s in spins):
         ap.error(f"--spins {args.spins}: spin counts must be at least 0")
