@@ -29,6 +29,7 @@ The model:
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -72,6 +73,15 @@ class Pipeline:
         self.is_str = is_str
         self.is_res = pt == RES
         self.uniform = [(bool(on_gpu[i].all()), not bool(on_gpu[i].any())) for i in range(S)]
+
+    def with_slots(self, n_slots: int) -> Pipeline:
+        """The same schedule structure streaming through `n_slots` slots (what depends on the slot count
+        made again; the rest shared)."""
+        other = copy.copy(self)
+        other.n_slots = max(int(n_slots), 1)
+        other.cycles = self.n_str > other.n_slots
+        other.n_copies = np.where(other.cycles, 2 * self.n_str + other.n_slots, self.n_str)
+        return other
 
     def _ctab(self, copy_alone: np.ndarray, copy_busy: np.ndarray) -> np.ndarray:
         """Flat [smax, B] copy time of each row's streamed sub-layers in order."""

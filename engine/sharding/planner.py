@@ -359,20 +359,19 @@ class Planner:
                 if pause is not None:
                     pause()
                 return pipe.run(c, est.rho)
-            ms = np.concatenate([
-                np.stack([priced(pipe, c) for c in costs], 1)
-                for pipe in (est.pipeline(fam.place[a:a + step], self.n_slots)
-                             for a in range(0, len(fam.place), step))])
-            ms += np.stack([est.mixed_layer_ms(fam.place, t) for t in self.tiers], 1)
-            ms = _round_significant(ms, 12)   # equal schedules compare equal despite rounding noise
-            if self.one_slot:
-                cols = list(self.one_slot)
+            cols = list(self.one_slot)         # (the tiers also priced with one slot, on the same structure)
+            parts, parts1 = [], []
+            for a in range(0, len(fam.place), step):
+                pipe = est.pipeline(fam.place[a:a + step], self.n_slots)
+                parts.append(np.stack([priced(pipe, c) for c in costs], 1))
+                if cols:
+                    one = pipe.with_slots(1)
+                    parts1.append(np.stack([priced(one, costs[ti]) for ti in cols], 1))
+            mixed = np.stack([est.mixed_layer_ms(fam.place, t) for t in self.tiers], 1)
+            ms = _round_significant(np.concatenate(parts) + mixed, 12)   # equal schedules compare equal
+            if cols:                                                     # despite rounding noise
                 vram1 = vram[:, cols] - fam.slots[:, None] + fam.slot_bytes(1)[:, None]
-                ms1 = np.concatenate([
-                    np.stack([priced(pipe, costs[ti]) for ti in cols], 1)
-                    for pipe in (est.pipeline(fam.place[a:a + step], 1) for a in range(0, len(fam.place), step))])
-                ms1 += np.stack([est.mixed_layer_ms(fam.place, self.tiers[ti]) for ti in cols], 1)
-                self._one_slot_tables[kv_tokens] = (vram1, _round_significant(ms1, 12))
+                self._one_slot_tables[kv_tokens] = (vram1, _round_significant(np.concatenate(parts1) + mixed[:, cols], 12))
             self._tables[kv_tokens] = (vram, ms)
         return self._tables[kv_tokens]
 
