@@ -56,6 +56,21 @@ def test_few_streamed_sub_layers_keep_their_slots(llama):
     assert est.estimate(pl, 1, 512, n_slots=1) > est.estimate(pl, 1, 512, n_slots=2)
 
 
+def test_a_schedule_priced_with_other_slots_is_that_schedule_built_for_them(llama):
+    """`Pipeline.with_slots(n)` (the planner prices its one-slot decode column on the two-slot structure)
+    replays what a structure built for n slots replays, for random placements and step sizes."""
+    spec, est = llama
+    rng = random.Random(3)
+    rows = np.array([[rng.choice((0, 1, 2, 3)) for _ in spec.sublayers] for _ in range(40)], dtype=np.int8)
+    rows[:, 0] = 0                                      # (the embedding gathered on the CPU)
+    for tokens in (1, 16, 512):
+        c = est.costs(tokens, 2048)
+        for n in (1, 2, 3):
+            want = est.pipeline(rows, n).run(c, est.rho)
+            assert np.array_equal(est.pipeline(rows, 2).with_slots(n).run(c, est.rho), want)
+            assert np.array_equal(est.pipeline(rows, 3).with_slots(n).run(c, est.rho), want)
+
+
 def test_all_streamed_decode_is_bound_by_the_copies(llama):
     spec, est = llama
     pl = placement(spec, lambda s: R if s.kind == "embed" else S)
