@@ -14,7 +14,7 @@ import torch
 
 import engine
 from engine.sharding.plan import Placement, Plan, PlanSet
-from tests.engine.tiny_plans import all_cpu_planset, force_planset
+from tests.engine.tiny_plans import all_cpu_planset, force_planset, plain_on_gpu
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
 # "sim" in CI; the GPU machine runs the same tests with SLIPSTREAM_TEST_DEVICE=cuda.
@@ -50,7 +50,8 @@ def reference_logits(tiny_model):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_placements_match_cpu(tiny_model, reference_logits, arch, seed):
-    eng = engine.open_model(tiny_model(arch), device=DEVICE, backend="torch", vram_budget="1GiB")
+    eng = engine.open_model(tiny_model(arch), device=DEVICE, backend="torch",
+                            **plain_on_gpu(DEVICE), vram_budget="1GiB")
     rng = random.Random(seed)
     force_planset(eng, random_planset(eng, rng, n_slots=1 + seed % 3))
     got = eng.score(list(range(5, 70)))
@@ -66,7 +67,7 @@ def test_placement_changes_mid_generation_keep_tokens(tiny_model, arch):
     path = tiny_model(arch)
     cpu = engine.open_model(path, device="cpu", backend="torch")
     want = [e.token_id for e in cpu.generate("the quick brown fox", max_new_tokens=24)]
-    eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB")
+    eng = engine.open_model(path, device=DEVICE, backend="torch", **plain_on_gpu(DEVICE), vram_budget="1GiB")
     rng = random.Random(7)
     force_planset(eng, random_planset(eng, rng, 2))
     got = []
@@ -79,7 +80,8 @@ def test_placement_changes_mid_generation_keep_tokens(tiny_model, arch):
 
 
 def test_streamed_weights_cross_the_copy_engine(tiny_model):
-    eng = engine.open_model(tiny_model("llama"), device=DEVICE, backend="torch", vram_budget="1GiB")
+    eng = engine.open_model(tiny_model("llama"), device=DEVICE, backend="torch",
+                            **plain_on_gpu(DEVICE), vram_budget="1GiB")
     names = [s.name for s in eng.spec.sublayers]
     plan = {n: Placement.STREAMED for n in names}
     force_planset(eng, PlanSet(eng.budget, [Plan(t, "manual", dict(plan), 2) for t in eng.tiers]))
@@ -92,7 +94,8 @@ def test_streamed_weights_cross_the_copy_engine(tiny_model):
 
 
 def test_kv_follows_attention(tiny_model):
-    eng = engine.open_model(tiny_model("llama"), device=DEVICE, backend="torch", vram_budget="1GiB")
+    eng = engine.open_model(tiny_model("llama"), device=DEVICE, backend="torch",
+                            **plain_on_gpu(DEVICE), vram_budget="1GiB")
     names = [s.name for s in eng.spec.sublayers]
     gpu_attn = {n: (Placement.RESIDENT if n.endswith(".attn") else Placement.CPU) for n in names}
     force_planset(eng, PlanSet(eng.budget, [Plan(t, "manual", dict(gpu_attn), 2) for t in eng.tiers]))
@@ -130,7 +133,8 @@ def host_kv_planset(eng, rng: random.Random, n_slots: int) -> PlanSet:
 def test_attention_over_host_kv_matches_cpu(tiny_model, reference_logits, arch, seed):
     """A GPU attention whose layer's KV cache stays in host memory computes what the CPU does, every
     tier may place those attentions differently, and the host-resident pools never count as VRAM."""
-    eng = engine.open_model(tiny_model(arch), device=DEVICE, backend="torch", vram_budget="1GiB")
+    eng = engine.open_model(tiny_model(arch), device=DEVICE, backend="torch",
+                            **plain_on_gpu(DEVICE), vram_budget="1GiB")
     rng = random.Random(100 + seed)
     ps = host_kv_planset(eng, rng, n_slots=1 + seed % 3)
     force_planset(eng, ps)
@@ -148,7 +152,7 @@ def test_generation_over_host_kv_keeps_tokens(tiny_model):
     path = tiny_model("llama3")
     cpu = engine.open_model(path, device="cpu", backend="torch")
     want = [e.token_id for e in cpu.generate("the quick brown fox", max_new_tokens=24)]
-    eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB")
+    eng = engine.open_model(path, device=DEVICE, backend="torch", **plain_on_gpu(DEVICE), vram_budget="1GiB")
     force_planset(eng, host_kv_planset(eng, random.Random(5), 2))
     got = [e.token_id for e in eng.generate("the quick brown fox", max_new_tokens=24)]
     assert got == want
@@ -161,7 +165,7 @@ def test_host_kv_attention_over_blocks_out_of_order_gives_the_tokens_of_each_alo
     (into pinned memory beside a GPU, so the copy does not wait for the GPU's queue). Each gives the
     tokens it gives alone."""
     path = tiny_model("llama3")
-    eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB")
+    eng = engine.open_model(path, device=DEVICE, backend="torch", **plain_on_gpu(DEVICE), vram_budget="1GiB")
     names = [s.name for s in eng.spec.sublayers]
     gpu_attn = {n: (Placement.STREAMED if n.endswith(".attn") else Placement.CPU) for n in names}
     force_planset(eng, PlanSet(eng.budget, [Plan(t, "manual", dict(gpu_attn), 2, kv_layers=0) for t in eng.tiers],
@@ -194,7 +198,8 @@ def test_fp8_cache_over_host_kv_matches_cpu(tiny_model):
     ids = list(range(5, 70))
     want_scores = cpu.score(ids)
     want = [e.token_id for e in cpu.generate("the quick brown fox", max_new_tokens=24)]
-    eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB", kv_dtype="fp8")
+    eng = engine.open_model(path, device=DEVICE, backend="torch",
+                            **plain_on_gpu(DEVICE), vram_budget="1GiB", kv_dtype="fp8")
     names = [s.name for s in eng.spec.sublayers]
     gpu_attn = {n: (Placement.STREAMED if n.endswith(".attn") else Placement.CPU) for n in names}
     force_planset(eng, PlanSet(eng.budget, [Plan(t, "manual", dict(gpu_attn), 2, kv_layers=0) for t in eng.tiers]))

@@ -17,7 +17,7 @@ import pytest
 import engine
 from engine.errors import BadInputError
 from engine.sharding.plan import Placement, Plan, PlanSet
-from tests.engine.tiny_plans import all_cpu_planset, force_planset
+from tests.engine.tiny_plans import all_cpu_planset, force_planset, plain_on_gpu
 
 DEVICE = os.environ.get("SLIPSTREAM_TEST_DEVICE", "sim")
 TOL = 1e-5 if DEVICE == "sim" else 1e-3
@@ -48,7 +48,7 @@ def test_shared_rows_give_the_whole_ffns_logits(tiny_model, arch, attn):
     ids = list(range(5, 60))
     ref = cpu.score(ids)
     cpu.close()
-    eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB")
+    eng = engine.open_model(path, device=DEVICE, backend="torch", **plain_on_gpu(DEVICE), vram_budget="1GiB")
     inter = eng.config.intermediate_size
     for rows in (16, inter // 2, inter - 16, inter):
         force_planset(eng, shared_planset(eng, rows, attn=attn))
@@ -58,7 +58,8 @@ def test_shared_rows_give_the_whole_ffns_logits(tiny_model, arch, attn):
 
 
 def test_a_share_copies_only_the_gpus_rows(tiny_model):
-    eng = engine.open_model(tiny_model("llama3"), device=DEVICE, backend="torch", vram_budget="1GiB")
+    eng = engine.open_model(tiny_model("llama3"), device=DEVICE, backend="torch",
+                            **plain_on_gpu(DEVICE), vram_budget="1GiB")
     cfg, ex = eng.config, eng.executor
     n_ffn = cfg.num_layers
     up = ex.store.sublayers["layers.0.ffn"].host_views["up.weight"]
@@ -83,7 +84,7 @@ def test_shares_changing_mid_generation_keep_the_tokens(tiny_model, n_slots):
     cpu = engine.open_model(path, device="cpu", backend="torch")
     want = [e.token_id for e in cpu.generate("the quick brown fox", max_new_tokens=24)]
     cpu.close()
-    eng = engine.open_model(path, device=DEVICE, backend="torch", vram_budget="1GiB")
+    eng = engine.open_model(path, device=DEVICE, backend="torch", **plain_on_gpu(DEVICE), vram_budget="1GiB")
     inter = eng.config.intermediate_size
     rng = random.Random(3)
     force_planset(eng, shared_planset(eng, inter // 2, n_slots))
@@ -98,7 +99,8 @@ def test_shares_changing_mid_generation_keep_the_tokens(tiny_model, n_slots):
 
 
 def test_the_share_off_runs_whole_ffns(tiny_model):
-    eng = engine.open_model(tiny_model("llama3"), device=DEVICE, backend="torch", vram_budget="1GiB")
+    eng = engine.open_model(tiny_model("llama3"), device=DEVICE, backend="torch",
+                            **plain_on_gpu(DEVICE), vram_budget="1GiB")
     force_planset(eng, shared_planset(eng, 32, n_slots=1))
     eng.executor.ffn_share = False
     eng.score([1, 2, 3])
@@ -197,7 +199,8 @@ def test_the_engine_switch_forces_or_drops_the_share(tiny_model, monkeypatch):
     cpu = engine.open_model(path, device="cpu", backend="torch")
     want = [e.token_id for e in cpu.generate("a share of the rows", max_new_tokens=12)]
     cpu.close()
-    eng = TorchEngine(path, device=DEVICE, vram_budget="1GiB", tiers=TIERS, profile=slow_cpu_profile())
+    eng = TorchEngine(path, device=DEVICE,
+                      **plain_on_gpu(DEVICE), vram_budget="1GiB", tiers=TIERS, profile=slow_cpu_profile())
     eng.set_vram_budget(third_of_weights(eng))
     assert any(p.placement[f"layers.{i}.ffn"] is Placement.STREAMED
                for p in eng.planset.plans for i in range(eng.config.num_layers))

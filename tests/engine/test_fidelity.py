@@ -17,7 +17,7 @@ import torch
 
 import engine
 from tests.engine.reference import rel_err, transformers_logits
-from tests.engine.tiny_plans import TIERS, slow_cpu_profile, third_of_weights
+from tests.engine.tiny_plans import TIERS, plain_on_gpu, slow_cpu_profile, third_of_weights
 
 DEVICE = os.environ.get("SLIPSTREAM_TEST_DEVICE", "sim")
 VARIANTS = [
@@ -37,7 +37,8 @@ def reference(path) -> torch.Tensor:
 
 
 def open_on_device(path):
-    return engine.open_model(path, device=DEVICE, backend="torch", tiers=TIERS, profile=slow_cpu_profile())
+    return engine.open_model(path, device=DEVICE, backend="torch",
+                             **plain_on_gpu(DEVICE), tiers=TIERS, profile=slow_cpu_profile())
 
 
 def on_gpu(report) -> int:

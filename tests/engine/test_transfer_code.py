@@ -19,7 +19,7 @@ import engine
 from engine.sharding import transfer_code as tc
 from engine.sharding.memory import slot_bytes, transfer_bytes
 from engine.sharding.plan import Placement, Plan, PlanSet
-from tests.engine.tiny_plans import all_cpu_planset, force_planset
+from tests.engine.tiny_plans import all_cpu_planset, force_planset, plain_on_gpu
 
 DEVICE = os.environ.get("SLIPSTREAM_TEST_DEVICE", "sim")
 
@@ -294,7 +294,8 @@ def test_planned_budget_changes_mid_generation_with_coded_streams(tiny_model, mo
 
     def run(code: bool) -> tuple[list[int], int]:
         monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE", "1" if code else "0")
-        eng = engine.open_model(path, device=DEVICE, backend="torch", tiers=TIERS, profile=slow_cpu_profile())
+        eng = engine.open_model(path, device=DEVICE, backend="torch",
+                                **plain_on_gpu(DEVICE), tiers=TIERS, profile=slow_cpu_profile())
         assert bool(eng.executor.store.coded) is code
         if code:                     # the plan sets the planner makes, in order...
             planned = eng._make_planset

@@ -47,3 +47,12 @@ def force_planset(eng, planset) -> None:
     """From now on `eng` plans `planset` for any budget; re-planned at its budget at once."""
     eng._make_planset = lambda budget, kv_tokens=None, ps=planset: ps
     eng.set_vram_budget(eng.budget)
+
+
+def plain_on_gpu(device: str) -> dict:
+    """`open_model` options for an engine on the test device whose tokens are compared with another's: on a
+    GPU, no n-gram speculation. Whether a step verifies proposals is decided from measured step times, and a
+    verify step is a multi-token step, whose kernels on a GPU round apart from a one-token step's: where a
+    tiny random model's logits all but tie, the token would move with the timing (session 26, calls BO-BV).
+    On "sim" and the CPU speculation gives plain decoding's bits, and stays on as by default."""
+    return {"speculative": False} if str(device).startswith("cuda") else {}
