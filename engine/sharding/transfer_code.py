@@ -19,6 +19,16 @@ Coded buffer layout (bytes): each chunk (coded: lo [W] | nibbles [ceil(W/2)], wo
 2i+1 in the high; raw: its bytes), then the escape block (positions int32 [k], the word's index in the
 sub-layer, then the words int16 [k]); each piece starts `ALIGN`ed. The GPU decodes a chunk's escapes as
 garbage and the escape block, applied last, puts them right: one small operation per sub-layer.
+
+A tighter form (`SLIPSTREAM_TRANSFER_CODE_TIGHT=1`, experimental, off by default; not yet run on a GPU):
+the high byte of a normal bf16 matrix carries about 2.7 bits, and the 4-bit code spends 4. A tight chunk
+keeps the low bytes, a sign plane (1 bit a word) and a 2-bit code: the offset (0-2) of the exponent's top
+seven bits from a 3-value window (about 92% of a normal matrix's words), or 3 for a word whose top bits are
+in a second stream of 4-bit codes (a 15-value window of its own, 15 marking an escape). Each block of
+TIGHT_BLOCK words stores where its words start in that stream, so the GPU finds a word's code by a prefix
+sum within its block. About 11.3 bits a weight, 71% of the bytes; a chunk takes whichever form is smaller.
+Tight chunk layout: block starts int32 [ceil(W / TIGHT_BLOCK)] | lo [W] | signs [ceil(W/8)] | codes
+[ceil(W/4)] | second codes [ceil(n2/2)], bits and codes packed from each byte's low end.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ MAX_CODED_FRACTION = 0.8        # code a chunk only if that makes it at most thi
 MIN_BYTES = 256 << 10           # smaller sub-layers stay raw (a copy that small is latency, not bytes)
 N_STAGES = 2                    # staging buffers on the GPU: one filling while the other is decoded
 ESCAPE = 7
+TIGHT_BLOCK = 1024              # a tight chunk's words per decode block (its second codes' start stored per block)
+ESCAPE2 = 15
 
 
 def _up(n: int, a: int) -> int:
@@ -51,10 +63,16 @@ class Chunk:
     off: int            # first byte in the coded buffer
     nbytes: int         # bytes in the coded buffer (raw chunks: 2 * words)
     base: int           # -1: stored raw; else the window's first value of the exponent's top seven bits
+    base2: int = -1     # a tight chunk's second window's first value (-1: the 4-bit code)
+    n2: int = 0         # a tight chunk's words in the second stream
 
     @property
     def coded(self) -> bool:
         return self.base >= 0
+
+    @property
+    def tight(self) -> bool:
+        return self.base2 >= 0
 
 
 @dataclass(slots=True)
@@ -80,6 +98,11 @@ def enabled_by_env() -> bool | None:
     """`SLIPSTREAM_TRANSFER_CODE`: 1 on, 0 off, unset: decide by host memory (`engine.backends`)."""
     v = os.environ.get("SLIPSTREAM_TRANSFER_CODE")
     return None if v in (None, "") else v not in ("0", "off", "false")
+
+
+def tight_enabled() -> bool:
+    """`SLIPSTREAM_TRANSFER_CODE_TIGHT=1`: chunks may take the tight form where it is smaller."""
+    return os.environ.get("SLIPSTREAM_TRANSFER_CODE_TIGHT", "0") == "1"
 
 
 def min_bytes() -> int:
@@ -161,9 +184,15 @@ def plan(raw: torch.Tensor, chunk_words: int | None = None,
         if not _pays(w, esc):
             base, esc = -1, 0
         nbytes = 2 * w if base < 0 else _coded_bytes(w)
-        chunks.append(Chunk(2 * w0, w, off, nbytes, base))
+        chunk = Chunk(2 * w0, w, off, nbytes, base)
+        if tight_enabled():                    # (the tight form where it is smaller, escapes counted)
+            tb, b2, n2, esc2 = _tight_choice(part)
+            size = _tight_bytes(w, n2) + 6 * esc2
+            if size < nbytes + 6 * esc and size <= MAX_CODED_FRACTION * 2 * w:
+                chunk, esc = Chunk(2 * w0, w, off, _tight_bytes(w, n2), tb, b2, n2), esc2
+        chunks.append(chunk)
         escapes += esc
-        off = _up(off + nbytes, ALIGN)
+        off = _up(off + chunk.nbytes, ALIGN)
     if not any(c.coded for c in chunks):
         return None
     return tuple(chunks), off, escapes
@@ -179,7 +208,9 @@ def encode_into(raw: torch.Tensor, layout: tuple[tuple[Chunk, ...], int, int], h
     pos_all = []
     for c in chunks:
         part = raw[c.raw_off:c.raw_off + 2 * c.words]
-        if c.coded:
+        if c.tight:
+            pos_all.append(_code_tight(part, c, host[c.off:c.off + c.nbytes]) + c.raw_off // 2)
+        elif c.coded:
             pos_all.append(_code_chunk(part, c.base, host[c.off:c.off + c.nbytes]) + c.raw_off // 2)
         else:
             host[c.off:c.off + c.nbytes].copy_(part)
@@ -253,6 +284,110 @@ def decode_chunk(lo: torch.Tensor, nib: torch.Tensor, out16: torch.Tensor, base:
     pair[:, 1].copy_(torch.bitwise_left_shift(torch.bitwise_and(code, 8), 4) | (torch.bitwise_and(code, 7) + base))
 
 
+def _windows(top: torch.Tensor, width: int) -> torch.Tensor:
+    """[128 - width + 1]: how many of `top` (values 0-127) lie in each window [b, b + width - 1]."""
+    counts = torch.bincount(top.to(torch.int64), minlength=128).cumsum(0)
+    return counts[width - 1:] - torch.cat([counts.new_zeros(1), counts[:-width]])
+
+
+def _tight_split(top: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(offsets from `base` as uint8, wrapping below it; which words go to the second stream)."""
+    d = top - base                                   # (uint8: a value below the window wraps past 128)
+    return d, d > 2
+
+
+def _tight_choice(part: torch.Tensor) -> tuple[int, int, int, int]:
+    """A chunk's tight windows and counts: (base, base2, words in the second stream, escapes)."""
+    top = torch.bitwise_and(part.view(-1, 2)[:, 1], 0x7F)
+    sample = top[::SAMPLE_STRIDE] if top.numel() > 64 * SAMPLE_STRIDE else top
+    base = int(_windows(sample, 3).argmax())
+    second = top[_tight_split(top, base)[1]]
+    sample2 = second[::SAMPLE_STRIDE] if second.numel() > 64 * SAMPLE_STRIDE else second
+    base2 = int(_windows(sample2, 15).argmax()) if second.numel() else 0
+    return base, base2, int(second.numel()), int(((second - base2) > 14).sum())
+
+
+def _tight_layout(w: int, n2: int) -> tuple[int, int, int, int, int, int]:
+    """Byte offsets in a tight chunk: (block starts, lo, signs, codes, second codes, end)."""
+    nb = -(-w // TIGHT_BLOCK)
+    lo = 4 * nb
+    sgn = lo + w
+    c2 = sgn + (w + 7) // 8
+    nib2 = c2 + (w + 3) // 4
+    return 0, lo, sgn, c2, nib2, nib2 + (n2 + 1) // 2
+
+
+def _tight_bytes(w: int, n2: int) -> int:
+    return _tight_layout(w, n2)[-1]
+
+
+def _pack(vals: torch.Tensor, bits: int, out: torch.Tensor) -> None:
+    """uint8 values of `bits` bits each (at most 2**bits - 1), packed into `out` from each byte's low end."""
+    per = 8 // bits
+    whole = vals.numel() // per * per
+    v = vals[:whole].view(-1, per)
+    acc = v[:, 0].clone()
+    for j in range(1, per):
+        acc |= torch.bitwise_left_shift(v[:, j], j * bits)
+    out[:acc.numel()].copy_(acc)
+    if whole < vals.numel():                        # (the last byte's values)
+        tail = 0
+        for j, x in enumerate(vals[whole:].tolist()):
+            tail |= int(x) << (j * bits)
+        out[acc.numel()] = tail
+
+
+def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """The first `n` values of `bits` bits each packed by `_pack` (uint8)."""
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return torch.bitwise_and(torch.bitwise_right_shift(packed[:, None], shifts), (1 << bits) - 1).view(-1)[:n]
+
+
+def _code_tight(part: torch.Tensor, c: Chunk, out: torch.Tensor) -> torch.Tensor:
+    """Code one chunk's words in the tight form into `out` (its `c.nbytes`); returns its escapes' word
+    positions within the chunk (int32)."""
+    w = c.words
+    pair = part.view(-1, 2)
+    hi = pair[:, 1]
+    top = torch.bitwise_and(hi, 0x7F)
+    d, second = _tight_split(top, c.base)
+    b0, lo, sgn, c2, nib2, end = _tight_layout(w, c.n2)
+    padded = torch.zeros(-(-w // TIGHT_BLOCK) * TIGHT_BLOCK, dtype=torch.int32)
+    padded[:w] = second
+    per_block = padded.view(-1, TIGHT_BLOCK).sum(1, dtype=torch.int32)
+    out[b0:lo].view(torch.int32).copy_(per_block.cumsum(0, dtype=torch.int32) - per_block)
+    out[lo:sgn].copy_(pair[:, 0])
+    _pack(torch.bitwise_right_shift(hi, 7), 1, out[sgn:c2])
+    _pack(d.clamp(max=3), 2, out[c2:nib2])
+    where2 = second.nonzero().view(-1)
+    d2 = top[where2] - c.base2
+    esc = d2 > 14
+    _pack(d2.masked_fill_(esc, ESCAPE2), 4, out[nib2:end])
+    return where2[esc].to(torch.int32)
+
+
+def decode_tight_chunk(st: torch.Tensor, out16: torch.Tensor, w: int, n2: int, base: int, base2: int) -> None:
+    """Write a tight chunk's words into `out16` (int16 [w]) from its bytes `st` on the same device: one fused
+    kernel on CUDA where Triton is there and its check passed, else tensor operations. Escaped words come
+    out wrong until `apply_escapes`."""
+    b0, lo, sgn, c2, nib2, end = _tight_layout(w, n2)
+    if out16.is_cuda and _tight_triton is not None:
+        _tight_triton(st[b0:lo].view(torch.int32), st[lo:sgn], st[sgn:c2], st[c2:nib2], st[nib2:end], out16, w,
+                      base, base2)
+        return
+    pair = out16.view(torch.uint8).view(-1, 2)
+    pair[:, 0].copy_(st[lo:sgn])
+    code = _unpack(st[c2:nib2], 2, w)
+    top = base + code
+    if n2:
+        second = code == 3
+        vals = _unpack(st[nib2:end], 4, n2)
+        pos = (torch.cumsum(second.to(torch.int64), 0) - 1).clamp_(min=0)
+        top = torch.where(second, base2 + vals[pos], top)
+    sign = _unpack(st[sgn:c2], 1, w)
+    pair[:, 1].copy_((torch.bitwise_left_shift(sign, 7) | torch.bitwise_and(top, 0x7F)).to(torch.uint8))
+
+
 def apply_escapes(block: torch.Tensor, k: int, dst16: torch.Tensor) -> None:
     """Put the escaped words of the escape block `block` (uint8 [6k]) into the sub-layer's words `dst16`."""
     dst16.index_put_((block[:4 * k].view(torch.int32),), block[4 * k:6 * k].view(torch.int16))
@@ -275,7 +410,12 @@ class Program:
                 continue
             k, j = j % len(stages), j + 1
             st = stages[k][:c.nbytes]
-            lo, nib, out16, base = st[:c.words], st[c.words:], out.view(torch.int16), c.base
+            out16 = out.view(torch.int16)
+            if c.tight:
+                steps.append((k, src, st, lambda st=st, out16=out16, c=c:
+                              decode_tight_chunk(st, out16, c.words, c.n2, c.base, c.base2)))
+                continue
+            lo, nib, base = st[:c.words], st[c.words:], c.base
             steps.append((k, src, st, lambda lo=lo, nib=nib, out16=out16, base=base: decode_chunk(lo, nib, out16, base)))
         if coded.escapes:
             k, n = j % len(stages), coded.escapes
@@ -302,8 +442,8 @@ class CpuMatrix:
         p = coded.host.data_ptr()
         for c in mine:
             w = max(c.raw_off // 2, word0)                 # this chunk's first word of the matrix
-            if not c.coded or (w - word0) % k:
-                raise ValueError("not a coded matrix: a chunk of it is raw or cuts a row")
+            if not c.coded or c.tight or (w - word0) % k:
+                raise ValueError("not a coded matrix: a chunk of it is raw, tight or cuts a row")
             rel = w - c.raw_off // 2
             first.append((w - word0) // k)
             lo.append(p + c.off + rel)
@@ -361,8 +501,42 @@ def _make_triton_decode():
     return run
 
 
+def _make_tight_triton():
+    """The fused CUDA decode of a tight chunk (one program a block of TIGHT_BLOCK words: its words' second
+    codes found by a prefix sum over the block from the block's stored start), or None."""
+    if os.environ.get("SLIPSTREAM_TRANSFER_TRITON", "1") == "0":
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit(do_not_specialize=["n", "base", "base2"])
+    def _kernel(boff_ptr, lo_ptr, sgn_ptr, c2_ptr, nib_ptr, out_ptr, n, base, base2, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        lo = tl.load(lo_ptr + i, mask=m, other=0).to(tl.int32)
+        sign = (tl.load(sgn_ptr + i // 8, mask=m, other=0).to(tl.int32) >> (i % 8).to(tl.int32)) & 1
+        code = (tl.load(c2_ptr + i // 4, mask=m, other=0).to(tl.int32) >> ((i % 4) * 2).to(tl.int32)) & 3
+        second = (code == 3) & m
+        f = second.to(tl.int32)
+        pos = tl.load(boff_ptr + pid) + tl.cumsum(f, axis=0) - f
+        val = (tl.load(nib_ptr + pos // 2, mask=second, other=0).to(tl.int32) >> ((pos & 1) * 4)) & 15
+        top = tl.where(second, base2 + val, base + code) & 0x7F
+        word = (((sign << 7) | top) << 8) | lo
+        tl.store(out_ptr + i, word.to(tl.int16), mask=m)
+
+    def run(boff, lo, sgn, c2, nib, out16, n, base, base2):
+        _kernel[(triton.cdiv(n, TIGHT_BLOCK),)](boff, lo, sgn, c2, nib, out16, n, base, base2, BLOCK=TIGHT_BLOCK)
+
+    return run
+
+
 _triton_decode = None
 _triton_checked = False
+_tight_triton = None      # set by `warm_up` once the kernel gave a tight buffer's bytes back on this GPU
 
 
 def cuda_decode_works(device: torch.device) -> bool:
@@ -392,6 +566,37 @@ def warm_up(device: torch.device) -> None:
     torch.cuda.synchronize(device)
     if not torch.equal(out.cpu(), raw):
         raise RuntimeError("transfer coding: the CUDA decode does not give the bytes back")
+    if tight_enabled():
+        _check_tight_triton(device)
+
+
+def _check_tight_triton(device: torch.device) -> None:
+    """Take the fused tight decode where it builds here and gives a tight buffer's bytes back (blocks and a
+    last chunk of odd length, escapes, a block with no second codes), else keep the tensor-op decode."""
+    global _tight_triton
+    if _tight_triton is not None:
+        return
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(3 * TIGHT_BLOCK + 517, generator=g) * 0.02).to(torch.bfloat16)
+    w[::97] = w[::97] * 1e6                               # (escapes and second codes)
+    w[TIGHT_BLOCK:2 * TIGHT_BLOCK] = 0.01                 # (a block with no second code)
+    raw = w.view(torch.uint8)
+    coded = encode(raw, chunk_words=2 * TIGHT_BLOCK + 100)
+    if coded is None or not any(c.tight for c in coded.chunks):
+        return
+    try:
+        kernel = _make_tight_triton()
+        if kernel is None:
+            return
+        _tight_triton = kernel
+        out = decode(coded, torch.empty(raw.numel(), dtype=torch.uint8, device=device))
+        torch.cuda.synchronize(device)
+        if not torch.equal(out.cpu(), raw):
+            raise RuntimeError("its bytes differ")
+    except Exception as exc:  # noqa: BLE001 (the tensor-op decode stays: tight coding never fails an open)
+        _tight_triton = None
+        log.warning("tight transfer coding: the fused CUDA decode did not run (%s); tensor operations decode",
+                    str(exc).splitlines()[0][:200])
 
 
 def triton_available() -> bool:

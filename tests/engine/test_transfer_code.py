@@ -393,6 +393,111 @@ def test_the_fused_cuda_decode_matches_the_tensor_path():
     assert torch.equal(dev.cpu(), raw)
 
 
+@pytest.fixture()
+def tight(monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE_TIGHT", "1")
+
+
+@pytest.mark.parametrize("scale", [1e-3, 0.02, 1.0, 300.0])
+def test_tight_chunks_come_back_exactly_at_under_72_percent(tight, scale):
+    g = torch.Generator().manual_seed(11)
+    raw = _bytes((torch.randn(399_999, generator=g) * scale).to(torch.bfloat16))
+    coded = tc.encode(raw, chunk_words=100_000)
+    assert [c.tight for c in coded.chunks] == [True] * 4
+    assert torch.equal(tc.decode(coded), raw)
+    assert coded.nbytes / raw.numel() < 0.72
+
+
+def test_tight_chunks_keep_special_values_outliers_and_odd_lengths(tight):
+    """Signed zeros, infinities, NaN payloads, subnormals and words far from both windows (escapes), a
+    second window's words, a chunk of odd length and one whose blocks hold no second-stream word."""
+    g = torch.Generator().manual_seed(12)
+    w = (torch.randn(7 * tc.TIGHT_BLOCK + 333, generator=g) * 0.02).to(torch.bfloat16)
+    w[::101] = _special().repeat(len(w[::101]) // len(_special()) + 1)[:len(w[::101])]
+    w[::53] = w[::53] * 3e-3                                    # (a second window below the first)
+    w[2 * tc.TIGHT_BLOCK:4 * tc.TIGHT_BLOCK] = 0.015            # (blocks with no second-stream word)
+    raw = _bytes(w)
+    coded = tc.encode(raw, chunk_words=3 * tc.TIGHT_BLOCK + 77)
+    assert all(c.tight for c in coded.chunks) and coded.escapes > 0
+    assert any(c.n2 for c in coded.chunks)
+    assert torch.equal(tc.decode(coded), raw)
+
+
+def test_tight_block_starts_let_each_block_decode_alone(tight):
+    """What the fused CUDA decode relies on: a block's second-stream words start at its stored start, so a
+    block's prefix sum alone finds each word's code (checked here block by block against the whole)."""
+    g = torch.Generator().manual_seed(13)
+    w = (torch.randn(5 * tc.TIGHT_BLOCK + 17, generator=g) * 0.02).to(torch.bfloat16)
+    raw = _bytes(w)
+    coded = tc.encode(raw, chunk_words=10 * tc.TIGHT_BLOCK)
+    (c,) = coded.chunks
+    b0, lo, _sgn, c2, nib2, end = tc._tight_layout(c.words, c.n2)
+    buf = coded.host[c.off:c.off + c.nbytes]
+    starts = buf[b0:lo].view(torch.int32)
+    code = tc._unpack(buf[c2:nib2], 2, c.words)
+    vals = tc._unpack(buf[nib2:end], 4, c.n2)
+    top = torch.bitwise_and(raw.view(-1, 2)[:, 1], 0x7F)
+    for b in range(len(starts)):
+        blk = code[b * tc.TIGHT_BLOCK:(b + 1) * tc.TIGHT_BLOCK]
+        second = (blk == 3).to(torch.int32)
+        pos = int(starts[b]) + torch.cumsum(second, 0) - second
+        got = torch.where(blk == 3, c.base2 + vals[pos.clamp(max=max(c.n2 - 1, 0)).long()], c.base + blk)
+        want = top[b * tc.TIGHT_BLOCK:(b + 1) * tc.TIGHT_BLOCK]
+        esc = (blk == 3) & (vals[pos.clamp(max=max(c.n2 - 1, 0)).long()] == tc.ESCAPE2)
+        assert torch.equal(got[~esc].to(torch.uint8) & 0x7F, want[~esc])
+
+
+def test_a_chunk_takes_the_tight_form_only_where_it_is_smaller(tight):
+    g = torch.Generator().manual_seed(14)
+    bf16 = _bytes((torch.randn(30_000, generator=g) * 0.05).to(torch.bfloat16))
+    fp32 = _bytes(torch.randn(30_000, generator=g))                # float32 words: stays raw
+    coded = tc.encode(torch.cat([bf16, fp32]), chunk_words=30_000)
+    assert [(c.coded, c.tight) for c in coded.chunks] == [(True, True), (False, False), (False, False)]
+    with pytest.raises(ValueError, match="tight"):
+        tc.CpuMatrix(coded, 0, 100, 300)                            # (the CPU reads only the 4-bit form)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the fused tight decode")
+def test_the_fused_tight_decode_gives_the_bytes_back(tight):
+    """The fused CUDA decode of tight chunks passes its own check at warm-up and decodes a large buffer (many
+    blocks, escapes, a second window) to the same bytes as the tensor path."""
+    if not tc.triton_available():
+        pytest.skip("no Triton")
+    tc.warm_up(torch.device("cuda"))
+    assert tc._tight_triton is not None
+    g = torch.Generator().manual_seed(15)
+    w = (torch.randn(3_000_003, generator=g) * 0.02).to(torch.bfloat16)
+    w[::4999] = float("inf")
+    w[::37] = w[::37] * 1e-3
+    raw = _bytes(w)
+    coded = tc.encode(raw, chunk_words=1 << 20)
+    assert all(c.tight for c in coded.chunks)
+    dev = torch.empty(raw.numel(), dtype=torch.uint8, device="cuda")
+    tc.decode(coded, dev)
+    assert torch.equal(dev.cpu(), raw)
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_a_tight_coded_stream_gives_the_raw_streams_logits_and_tokens(tiny_model, coded_env, monkeypatch, arch):
+    path = tiny_model(arch, dtype="bfloat16")
+    ids = list(range(3, 40))
+    out = {}
+    for code, tight_on in ((False, "0"), (True, "0"), (True, "1")):
+        monkeypatch.setenv("SLIPSTREAM_TRANSFER_CODE_TIGHT", tight_on)
+        eng = _open(path, code, monkeypatch)
+        tights = [c.tight for b in eng.executor.store.coded.values() for c in b.chunks]
+        force_planset(eng, _streaming_planset(eng, 2))
+        before = eng.executor.copied_bytes
+        logits = eng.score(ids)
+        tokens = [e.token_id for e in eng.generate("hello there", max_new_tokens=12)]
+        out[(code, tight_on)] = (logits, tokens, eng.executor.copied_bytes - before, tights)
+        eng.close()
+    raw, coded, tight_coded = out[(False, "0")], out[(True, "0")], out[(True, "1")]
+    assert tight_coded[3] and any(tight_coded[3]) and not any(coded[3])
+    assert torch.equal(tight_coded[0], raw[0]) and tight_coded[1] == raw[1]
+    assert tight_coded[2] < coded[2] < raw[2]                        # fewer bytes crossed again
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: streams and events")
 @pytest.mark.parametrize("ahead", [False, True])
 def test_a_coded_copy_writes_its_destination_only_after_the_compute_it_waits_for(ahead):
