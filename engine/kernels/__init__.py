@@ -212,6 +212,9 @@ def _load():
             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
             ctypes.c_void_p]
         lib.sl_attn_decode_many_coded.restype = ctypes.c_int
+        lib.sl_bf16_tight_code.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int] + \
+            [ctypes.c_void_p] * 6 + [ctypes.POINTER(ctypes.c_int64), ctypes.c_int]
+        lib.sl_bf16_tight_code.restype = ctypes.c_int64
         lib.sl_copy_many.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.sl_copy_many.restype = ctypes.c_int
         lib.sl_phase_timing.argtypes = [ctypes.c_int]
@@ -921,6 +924,33 @@ def bf16_escapes(words: torch.Tensor, base: int, k: int) -> torch.Tensor | None:
         if pooled:
             _busy.release()
     return pos if got == k else None
+
+
+def bf16_tight_code(words: torch.Tensor, base: int, base2: int, parts: tuple[torch.Tensor, ...] | None = None,
+                    pos: torch.Tensor | None = None) -> tuple[int, int] | None:
+    """Transfer coding's tight encoder (`engine.sharding.transfer_code._code_tight`) in one native call over
+    the pool: `words` (int16 [W], contiguous, on the CPU) against the windows `base` and `base2` into `parts`
+    (block starts int32, low bytes, signs, codes, second codes: uint8 views of the chunk, the second codes
+    zeroed) and the escapes' positions into `pos` (int32); with `parts` None it only counts. Returns (second
+    stream's length, escapes), or None where the library is not there (the caller uses tensor operations)."""
+    if not (words.is_cpu and words.is_contiguous()):
+        return None
+    if parts is not None and not all(p.is_cpu and p.is_contiguous() for p in parts):
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    _sync_threads(lib)
+    ptrs = [None] * 5 if parts is None else [p.data_ptr() for p in parts]
+    n2 = ctypes.c_int64(0)
+    pooled = _busy.acquire(blocking=False)
+    try:
+        esc = lib.sl_bf16_tight_code(words.data_ptr(), words.numel(), int(base), int(base2), *ptrs,
+                                     None if pos is None else pos.data_ptr(), ctypes.byref(n2), int(pooled))
+    finally:
+        if pooled:
+            _busy.release()
+    return None if esc < 0 else (int(n2.value), int(esc))
 
 
 def copy_many(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:

@@ -2065,6 +2065,84 @@ int64_t sl_bf16_escapes(const uint16_t *w, int64_t n, int base, int32_t *pos, in
     return total < cap ? total : cap;
 }
 
+/* ---- the tight form of a chunk (engine/sharding/transfer_code.py, SLIPSTREAM_TRANSFER_CODE_TIGHT) -------
+ * Per word: its low byte, its sign bit (a plane, 8 a byte) and a 2-bit code, the offset 0-2 of the exponent's
+ * top seven bits from `base`, or 3: a 4-bit code in the second stream, the offset 0-14 from `base2` or 15, an
+ * escape. Each TIGHT_BLOCK-word block stores where its second-stream codes start (int32). Two passes over the
+ * blocks (the pool's, with `pooled`): counts, then the writes; a block's second codes may share a byte with
+ * its neighbours', so those are OR-ed in atomically into a stream the caller zeroed. */
+#define TIGHT_BLOCK 1024
+
+typedef struct {
+    const uint16_t *w;
+    int64_t n;
+    int base, base2;
+    int32_t *starts;            /* [blocks]: second-stream codes before each block (written in pass 2) */
+    uint8_t *lo, *sgn, *c2, *nib2;
+    int64_t *n2, *esc;          /* [blocks]: pass 1 counts; pass 2 reads them as each block's first index */
+    int32_t *pos;               /* escapes' word positions, or NULL */
+    int pass;
+} tight_job;
+
+static void tight_block(const void *arg, int64_t c) {
+    const tight_job *j = (const tight_job *)arg;
+    int64_t a = c * TIGHT_BLOCK, b = a + TIGHT_BLOCK < j->n ? a + TIGHT_BLOCK : j->n;
+    int64_t k2 = j->pass ? j->n2[c] : 0, ke = j->pass ? j->esc[c] : 0;
+    if (j->pass) j->starts[c] = (int32_t)k2;
+    for (int64_t i = a; i < b; i++) {
+        uint16_t w = j->w[i];
+        unsigned top = (w >> 8) & 0x7F, d = (top - (unsigned)j->base) & 0xFF, code = d > 2 ? 3u : d;
+        unsigned d2 = (top - (unsigned)j->base2) & 0xFF, v2 = d2 > 14 ? 15u : d2;
+        if (j->pass) {
+            j->lo[i] = (uint8_t)w;
+            if ((i & 7) == 0) j->sgn[i >> 3] = 0;
+            if ((i & 3) == 0) j->c2[i >> 2] = 0;
+            j->sgn[i >> 3] |= (uint8_t)((w >> 15) << (i & 7));
+            j->c2[i >> 2] |= (uint8_t)(code << ((i & 3) * 2));
+            if (code == 3) {
+                __atomic_fetch_or(&j->nib2[k2 >> 1], (uint8_t)(v2 << ((k2 & 1) * 4)), __ATOMIC_RELAXED);
+                if (v2 == 15 && j->pos) j->pos[ke] = (int32_t)i;
+            }
+        }
+        k2 += code == 3;
+        ke += code == 3 && v2 == 15;
+    }
+    if (!j->pass) {
+        j->n2[c] = k2;
+        j->esc[c] = ke;
+    }
+}
+
+/* Codes n words in the tight form (lo = NULL: only counts): returns the escapes (their positions into `pos`
+ * where given, in order) and the second stream's length in *n2_out, or -1 (out of memory, bad arguments). A
+ * block is TIGHT_BLOCK words, a multiple of 8, so a block's sign and code bytes are its own. */
+int64_t sl_bf16_tight_code(const uint16_t *w, int64_t n, int base, int base2, int32_t *starts, uint8_t *lo,
+                           uint8_t *sgn, uint8_t *c2, uint8_t *nib2, int32_t *pos, int64_t *n2_out, int pooled) {
+    if (n < 0 || base < 0 || base > 127 || base2 < 0 || base2 > 127) return -1;
+    int64_t blocks = (n + TIGHT_BLOCK - 1) / TIGHT_BLOCK, t2 = 0, te = 0;
+    int64_t *cnt = (int64_t *)calloc(2 * (blocks ? blocks : 1), sizeof(int64_t));
+    if (!cnt) return -1;
+    tight_job j = {w, n, base, base2, starts, lo, sgn, c2, nib2, cnt, cnt + blocks, pos, 0};
+    int pool_it = pooled && pool.n > 1 && blocks > 1;
+    if (pool_it) run_pool(tight_block, &j, blocks);
+    else for (int64_t c = 0; c < blocks; c++) tight_block(&j, c);
+    for (int64_t c = 0; c < blocks; c++) {      /* counts -> each block's first index */
+        int64_t a2 = cnt[c], ae = cnt[blocks + c];
+        cnt[c] = t2;
+        cnt[blocks + c] = te;
+        t2 += a2;
+        te += ae;
+    }
+    if (lo) {
+        j.pass = 1;
+        if (pool_it) run_pool(tight_block, &j, blocks);
+        else for (int64_t c = 0; c < blocks; c++) tight_block(&j, c);
+    }
+    free(cnt);
+    if (n2_out) *n2_out = t2;
+    return te;
+}
+
 /* ---- many plain copies over the pool ------------------------------------------------------------------
  * n copies of nbytes[i] bytes from src[i] to dst[i] (host memory, not overlapping), cut into 1 MiB pieces
  * shared by the pool where `pooled` (the caller holds the pool): a KV cache's spill to its host-RAM tier is

@@ -284,9 +284,10 @@ def decode_chunk(lo: torch.Tensor, nib: torch.Tensor, out16: torch.Tensor, base:
     pair[:, 1].copy_(torch.bitwise_left_shift(torch.bitwise_and(code, 8), 4) | (torch.bitwise_and(code, 7) + base))
 
 
-def _windows(top: torch.Tensor, width: int) -> torch.Tensor:
-    """[128 - width + 1]: how many of `top` (values 0-127) lie in each window [b, b + width - 1]."""
-    counts = torch.bincount(top.to(torch.int64), minlength=128).cumsum(0)
+def _windows(hist: torch.Tensor, width: int) -> torch.Tensor:
+    """[128 - width + 1]: of a histogram of the exponent's top seven bits, the words in each window [b, b +
+    width - 1]."""
+    counts = hist.cumsum(0)
     return counts[width - 1:] - torch.cat([counts.new_zeros(1), counts[:-width]])
 
 
@@ -297,13 +298,21 @@ def _tight_split(top: torch.Tensor, base: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _tight_choice(part: torch.Tensor) -> tuple[int, int, int, int]:
-    """A chunk's tight windows and counts: (base, base2, words in the second stream, escapes)."""
-    top = torch.bitwise_and(part.view(-1, 2)[:, 1], 0x7F)
-    sample = top[::SAMPLE_STRIDE] if top.numel() > 64 * SAMPLE_STRIDE else top
-    base = int(_windows(sample, 3).argmax())
+    """A chunk's tight windows and counts: (base, base2, words in the second stream, escapes). The windows
+    come from a sample's histogram (the second from what the first leaves), the counts from every word."""
+    from engine import kernels
+
+    hi = part.view(-1, 2)[:, 1]
+    sample = torch.bitwise_and(hi[::SAMPLE_STRIDE] if hi.numel() > 64 * SAMPLE_STRIDE else hi, 0x7F)
+    hist = torch.bincount(sample.to(torch.int64), minlength=128)
+    base = int(_windows(hist, 3).argmax())
+    hist[base:base + 3] = 0
+    base2 = int(_windows(hist, 15).argmax())
+    got = kernels.bf16_tight_code(part.view(torch.int16), base, base2) if part.is_contiguous() else None
+    if got is not None:
+        return base, base2, *got
+    top = torch.bitwise_and(hi, 0x7F)
     second = top[_tight_split(top, base)[1]]
-    sample2 = second[::SAMPLE_STRIDE] if second.numel() > 64 * SAMPLE_STRIDE else second
-    base2 = int(_windows(sample2, 15).argmax()) if second.numel() else 0
     return base, base2, int(second.numel()), int(((second - base2) > 14).sum())
 
 
@@ -346,12 +355,23 @@ def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 def _code_tight(part: torch.Tensor, c: Chunk, out: torch.Tensor) -> torch.Tensor:
     """Code one chunk's words in the tight form into `out` (its `c.nbytes`); returns its escapes' word
     positions within the chunk (int32)."""
+    from engine import kernels
+
     w = c.words
+    b0, lo, sgn, c2, nib2, end = _tight_layout(w, c.n2)
+    if part.is_contiguous():
+        out[nib2:end].zero_()
+        pos = torch.empty(max(c.n2, 1), dtype=torch.int32)
+        parts = (out[b0:lo], out[lo:sgn], out[sgn:c2], out[c2:nib2], out[nib2:end])
+        got = kernels.bf16_tight_code(part.view(torch.int16), c.base, c.base2, parts, pos)
+        if got is not None:
+            if got[0] != c.n2:
+                raise RuntimeError(f"tight transfer coding: {got[0]} second-stream words where {c.n2} were counted")
+            return pos[:got[1]].clone()
     pair = part.view(-1, 2)
     hi = pair[:, 1]
     top = torch.bitwise_and(hi, 0x7F)
     d, second = _tight_split(top, c.base)
-    b0, lo, sgn, c2, nib2, end = _tight_layout(w, c.n2)
     padded = torch.zeros(-(-w // TIGHT_BLOCK) * TIGHT_BLOCK, dtype=torch.int32)
     padded[:w] = second
     per_block = padded.view(-1, TIGHT_BLOCK).sum(1, dtype=torch.int32)

@@ -423,6 +423,28 @@ def test_tight_chunks_keep_special_values_outliers_and_odd_lengths(tight):
     assert torch.equal(tc.decode(coded), raw)
 
 
+def test_the_native_tight_encoder_writes_what_the_tensor_path_writes(tight, monkeypatch):
+    from engine import kernels
+
+    g = torch.Generator().manual_seed(16)
+    w = (torch.randn(5 * tc.TIGHT_BLOCK + 1001, generator=g) * 0.03).to(torch.bfloat16)
+    w[::1013] = _special().repeat(300)[:len(w[::1013])]
+    w[::29] = w[::29] * 2e-3
+    raw = _bytes(w)
+    if kernels.status(wait=True).startswith("torch"):
+        pytest.skip("no native CPU kernels here")
+    native = tc.encode(raw, chunk_words=2 * tc.TIGHT_BLOCK + 300)
+    monkeypatch.setattr(kernels, "bf16_tight_code", lambda *a, **k: None)
+    tensor = tc.encode(raw, chunk_words=2 * tc.TIGHT_BLOCK + 300)
+    assert native.chunks == tensor.chunks and native.escapes == tensor.escapes > 0
+    assert all(c.tight for c in native.chunks) and all(c.n2 for c in native.chunks)
+    for c in native.chunks:
+        assert torch.equal(native.host[c.off:c.off + c.nbytes], tensor.host[c.off:c.off + c.nbytes])
+    e = slice(native.esc_off, native.esc_off + 6 * native.escapes)
+    assert torch.equal(native.host[e], tensor.host[e])
+    assert torch.equal(tc.decode(native), raw)
+
+
 def test_tight_block_starts_let_each_block_decode_alone(tight):
     """What the fused CUDA decode relies on: a block's second-stream words start at its stored start, so a
     block's prefix sum alone finds each word's code (checked here block by block against the whole)."""

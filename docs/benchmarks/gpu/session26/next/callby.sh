@@ -5,8 +5,8 @@
 # of a normal bf16 matrix's bytes against 75.1% (this machine). 0) its CUDA tests (the fused Triton decode passes
 # its warm-up check and gives a 6 MB buffer's bytes back; a tight stream gives the raw stream's logits and
 # tokens); 1) the suite's Llama-3-8B 4 GiB row in processes taking turns, tight, 4-bit, tight (the 512-token
-# prefill is PCIe-bound: about 5% expected there, about 2% on the decode). Opening codes the weights on the host's
-# cores with tensor operations (about 0.26 s per 64 MiB on 2 cores; the 4-bit form has a native encoder).
+# prefill is PCIe-bound: about 5% expected there, about 2% on the decode). Opening codes the weights with the native
+# tight encoder (about 0.2 s per 64 MiB on 2 cores; the 4-bit form's 0.07 s).
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site carry/*.whl 2>/dev/null
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PYTHONFAULTHANDLER=1
 W=/tmp/callby; mkdir -p $W
