@@ -24,6 +24,12 @@ from tests.engine.tiny_plans import all_cpu_planset, force_planset, plain_on_gpu
 DEVICE = os.environ.get("SLIPSTREAM_TEST_DEVICE", "sim")
 
 
+@pytest.fixture(autouse=True)
+def four_bit_code(monkeypatch):
+    """The 4-bit code unless a test asks for the tight form (`tight`), whatever the environment says."""
+    monkeypatch.delenv("SLIPSTREAM_TRANSFER_CODE_TIGHT", raising=False)
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
