@@ -169,10 +169,13 @@ def chunk_bounds(total_words: int, chunk_words: int | None = None,
 
 
 def plan(raw: torch.Tensor, chunk_words: int | None = None,
-         segments: list[tuple[int, int, int]] | None = None) -> tuple[tuple[Chunk, ...], int, int] | None:
+         segments: list[tuple[int, int, int]] | None = None,
+         tight: bool | None = None) -> tuple[tuple[Chunk, ...], int, int] | None:
     """How a packed buffer (uint8, bf16 words) codes: (chunks, the escape block's offset, escapes), from one
     counting pass; None if it is not whole words or no chunk gets smaller. Its coded form takes
-    `coded_size(...)` bytes. `segments`: see `chunk_bounds`."""
+    `coded_size(...)` bytes. `segments`: see `chunk_bounds`. `tight`: whether chunks may take the tight form
+    (None: `tight_enabled()`)."""
+    tight = tight_enabled() if tight is None else tight
     n = raw.numel()
     if n % 2 or n // 2 >= 1 << 31:
         return None
@@ -185,7 +188,7 @@ def plan(raw: torch.Tensor, chunk_words: int | None = None,
             base, esc = -1, 0
         nbytes = 2 * w if base < 0 else _coded_bytes(w)
         chunk = Chunk(2 * w0, w, off, nbytes, base)
-        if tight_enabled():                    # (the tight form where it is smaller, escapes counted)
+        if tight:                              # (the tight form where it is smaller, escapes counted)
             tb, b2, n2, esc2 = _tight_choice(part)
             size = _tight_bytes(w, n2) + 6 * esc2
             if size < nbytes + 6 * esc and size <= MAX_CODED_FRACTION * 2 * w:
@@ -223,11 +226,12 @@ def encode_into(raw: torch.Tensor, layout: tuple[tuple[Chunk, ...], int, int], h
     return CodedBuffer(host, chunks, raw.numel(), esc_off, escapes)
 
 
-def encode(raw: torch.Tensor, pin: bool = False, chunk_words: int | None = None) -> CodedBuffer | None:
+def encode(raw: torch.Tensor, pin: bool = False, chunk_words: int | None = None,
+           tight: bool | None = None) -> CodedBuffer | None:
     """`plan` and `encode_into` a buffer of its own; None if coding does not pay. (A weight store plans all its
     sub-layers first and packs their coded buffers into a few pinned chunks: one pinned allocation per
     buffer rounds each up to a power of two.)"""
-    layout = plan(raw, chunk_words)
+    layout = plan(raw, chunk_words, tight=tight)
     if layout is None:
         return None
     from engine.sharding.device import host_buffers
@@ -581,7 +585,7 @@ def warm_up(device: torch.device) -> None:
         return
     g = torch.Generator().manual_seed(0)
     raw = (torch.randn(3049, generator=g) * 0.02).to(torch.bfloat16).view(torch.uint8)
-    coded = encode(raw, chunk_words=2048)
+    coded = encode(raw, chunk_words=2048, tight=False)
     out = decode(coded, torch.empty(raw.numel(), dtype=torch.uint8, device=device))
     torch.cuda.synchronize(device)
     if not torch.equal(out.cpu(), raw):
@@ -601,7 +605,7 @@ def _check_tight_triton(device: torch.device) -> None:
     w[::97] = w[::97] * 1e6                               # (escapes and second codes)
     w[TIGHT_BLOCK:2 * TIGHT_BLOCK] = 0.01                 # (a block with no second code)
     raw = w.view(torch.uint8)
-    coded = encode(raw, chunk_words=2 * TIGHT_BLOCK + 100)
+    coded = encode(raw, chunk_words=2 * TIGHT_BLOCK + 100, tight=True)
     if coded is None or not any(c.tight for c in coded.chunks):
         return
     try:
