@@ -647,7 +647,8 @@ class TorchEngine(Engine):
         s.update(transfer_coded_sublayers=len(coded), transfer_coded_bytes=sum(c.nbytes for c in coded.values()),
                  transfer_coded_ratio=(round(sum(c.nbytes for c in coded.values())
                                              / max(sum(c.raw_bytes for c in coded.values()), 1), 4)
-                                       if coded else None))
+                                       if coded else None),
+                 transfer_coded_tight_chunks=sum(ch.tight for c in coded.values() for ch in c.chunks))
         s.update(budget=self.budget, plan=self.executor.plan.kind if self.executor.plan else None,
                  streamed_bytes=self.executor.copied_bytes, replans=len(self.replans),
                  spec_proposed=self.spec_stats["proposed"], spec_accepted=self.spec_stats["accepted"],

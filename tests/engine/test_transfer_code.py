@@ -518,12 +518,14 @@ def test_a_tight_coded_stream_gives_the_raw_streams_logits_and_tokens(tiny_model
         before = eng.executor.copied_bytes
         logits = eng.score(ids)
         tokens = [e.token_id for e in eng.generate("hello there", max_new_tokens=12)]
-        out[(code, tight_on)] = (logits, tokens, eng.executor.copied_bytes - before, tights)
+        out[(code, tight_on)] = (logits, tokens, eng.executor.copied_bytes - before, tights,
+                                 eng.stats()["transfer_coded_tight_chunks"])
         eng.close()
     raw, coded, tight_coded = out[(False, "0")], out[(True, "0")], out[(True, "1")]
     assert tight_coded[3] and any(tight_coded[3]) and not any(coded[3])
     assert torch.equal(tight_coded[0], raw[0]) and tight_coded[1] == raw[1]
     assert tight_coded[2] < coded[2] < raw[2]                        # fewer bytes crossed again
+    assert tight_coded[4] == sum(tight_coded[3]) > 0 and coded[4] == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: streams and events")
