@@ -2,7 +2,7 @@
 with plain copies against coded copies (copy engine + GPU decode through the staging ring), plus the host's
 encode rate and the GPU's decode rate alone.
 
-    python -m engine.bench.transfer_code_rate --mib 448 --reps 10 --out DIR
+    python -m engine.bench.transfer_code_rate --mib 448 --reps 10 --out DIR [--tight]
 
 The buffer is normal bf16 at the scale of a Llama-3-8B FFN's weights (random: a trained model's exponents
 spread about as a normal distribution's do). Prints a table; writes DIR/transfer_code_rate.json.
@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     ap.add_argument("--scale", type=float, default=0.02)
     ap.add_argument("--device", choices=("cuda", "sim"), default="cuda",
                     help="sim: the same steps on the CPU (a dry run of the script; its rates say nothing)")
+    ap.add_argument("--tight", action="store_true",
+                    help="chunks in the tight form where it is smaller (SLIPSTREAM_TRANSFER_CODE_TIGHT)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
     from engine.sharding.device import Accelerator
@@ -54,8 +56,10 @@ def main(argv=None) -> int:
     raw.copy_(raw_t.view(torch.uint8))
     del raw_t
     t0 = time.perf_counter()
-    coded = tc.encode(raw, pin=cuda)
+    coded = tc.encode(raw, pin=cuda, tight=a.tight)
     encode_s = time.perf_counter() - t0
+    if a.tight and cuda:
+        tc._check_tight_triton(torch.device("cuda"))          # (the fused decode where it passes its check)
     accel = Accelerator(a.device)
     dst = torch.empty(2 * words, dtype=torch.uint8, device=dev)
     stages = Stages([torch.empty(coded.stage_bytes, dtype=torch.uint8, device=dev) for _ in range(tc.N_STAGES)])
@@ -99,9 +103,13 @@ def main(argv=None) -> int:
               "ratio": round(coded.nbytes / (2 * words), 4), "chunks": len(coded.chunks),
               "escapes": coded.escapes, "encode_s": round(encode_s, 3),
               "encode_gbps": round(2 * words / encode_s / 1e9, 2), "exact": exact,
-              "triton": tc.triton_available(), "rows": rows}
+              "triton": tc.triton_available(), "tight": a.tight,
+              "tight_chunks": sum(c.tight for c in coded.chunks), "tight_triton": tc._tight_triton is not None,
+              "rows": rows}
     print(f"{a.mib} MiB bf16 (scale {a.scale}): coded {result['ratio']:.4f} of the bytes, {result['escapes']} escapes, "
-          f"exact {exact}; host encode {result['encode_gbps']} GB/s; Triton {result['triton']}")
+          f"exact {exact}; host encode {result['encode_gbps']} GB/s; Triton {result['triton']}"
+          + (f"; tight chunks {result['tight_chunks']} of {len(coded.chunks)}, fused tight decode "
+             f"{result['tight_triton']}" if a.tight else ""))
     print("| copy | median ms | raw GB/s delivered | host us to issue |\n|---|---:|---:|---:|")
     for name, r in rows.items():
         print(f"| {name} | {r['median_ms']} | {r['raw_gbps']} | {r.get('issue_us', '-')} |")

@@ -73,15 +73,17 @@ REFERENCE_DECODE = 256   # decode steps in the reference workload that `score` p
 # plans; with it among the large tiers, 169.8 and 101.3.
 SPLIT_TIER = 4
 # Tiers whose plans may stream through one slot instead of the planner's `n_slots`, where the pipeline prices
-# that faster by more than ONE_SLOT_MIN_GAIN (`Planner(one_slot_tiers=...)`). In a decode step the CPU's
-# sub-layers between two streamed ones give the copy engine its time anyway, so the second slot buys little
-# and its VRAM holds one more sub-layer resident instead: the H200 profile prices the Llama-3-8B decode at
-# 2 / 4 / 8 GiB 1.0 / 1.4 / 1.9% faster (109.4 / 95.3 / 65.7 ms against 110.5 / 96.7 / 67.0), and every
-# larger tier slower (tier 16 at 4 GiB: 179.9 against 145.7 ms). A switch to and from a prompt's tier then
-# also re-makes the slots, and the decode's extra resident FFN comes back after each prompt (about 7 ms of
-# copies on that machine).
+# that faster by more than ONE_SLOT_MIN_GAIN (`Planner(one_slot_tiers=...)`) and the steps that share the
+# decode plan (up to ONE_SLOT_CHECK_TOKENS) no slower. In a decode step the CPU's sub-layers between two
+# streamed ones give the copy engine its time anyway, so the second slot buys little and its VRAM holds one
+# more sub-layer resident instead: the H200 profile prices the Llama-3-8B decode at 4 / 8 GiB 1.4 / 1.9%
+# faster (95.3 / 65.7 ms against 96.7 / 67.0; `engine.bench.one_slot_plans`); at 2 GiB one slot is faster
+# for one token (109.4 against 113.4 ms) but slower for 16 (236.3 against 219.2), and two are kept. A switch
+# to and from a prompt's tier then also re-makes the slots, and the decode's extra resident FFN comes back
+# after each prompt (about 7 ms of copies on that machine).
 ONE_SLOT_TIERS = (1,)
 ONE_SLOT_MIN_GAIN = 0.005
+ONE_SLOT_CHECK_TOKENS = 16    # the engine runs steps of up to this many tokens on the decode plan (SMALL_STEP)
 _M_STEPS = (*range(17), 20, 24, 28, 32, 45, 64, 90, 128)   # streamed FFN counts tried (one FFN moves a
 # decode step's balance between the CPU and the copy engine by several milliseconds: fine steps where it counts)
 # Attention over host-resident KV only for steps of at least this many tokens: each such layer's copies
@@ -429,22 +431,67 @@ class Planner:
         kv_tokens = max(int(kv_tokens), 0)
         if self.family is None:
             return self._all_cpu(budget, kv_tokens, kind, strict)
-        hits: dict[int, list] = {}   # group -> per tier: ((member, ms), of the forced kind, slots) or None
+        # group -> per tier: ((member, ms), of the forced kind, slots) or None; through the planner's slots
+        # alone, and with the one-slot tiers' fronts too (taken where faster by more than ONE_SLOT_MIN_GAIN)
+        hits: dict[int, list] = {}
+        hits_one: dict[int, list] = {}
         for group in np.unique(self.family.group):
             row = hits[int(group)] = []
+            row_one = hits_one[int(group)] = []
             for ti in range(len(self.tiers)):
-                found = None
-                for n_slots in ((self.n_slots, 1) if ti in self.one_slot else (self.n_slots,)):
-                    hit, strict_hit = None, False
-                    if kind != "auto" and (front := self._front(kv_tokens, kind, int(group), ti, n_slots)) is not None:
-                        hit = front.lookup(budgets[ti])
-                        strict_hit = hit is not None
-                    if hit is None and (front := self._front(kv_tokens, "auto", int(group), ti, n_slots)) is not None:
-                        hit = front.lookup(budgets[ti])
-                    if hit is not None and (found is None or (strict_hit, -hit[1]) > (found[1], -found[0][1] * (
-                            1 - ONE_SLOT_MIN_GAIN))):
-                        found = (hit, strict_hit, n_slots)
+                found = self._hit(kv_tokens, kind, int(group), ti, budgets[ti], self.n_slots)
                 row.append(found)
+                if ti in self.one_slot and (one := self._hit(kv_tokens, kind, int(group), ti, budgets[ti], 1)) and (
+                        found is None or (one[1], -one[0][1]) > (found[1], -found[0][1] * (1 - ONE_SLOT_MIN_GAIN))):
+                    found = one
+                row_one.append(found)
+        best = self._best(hits, kv_tokens)
+        if self.one_slot:
+            # The one-slot plans where they also run the steps that share the decode plan (up to
+            # ONE_SLOT_CHECK_TOKENS: verify steps, small batches) within ONE_SLOT_MIN_GAIN of the two-slot
+            # plans: at 2 GiB the H200 profile prices the Llama-3-8B one-slot decode plan 3.5% faster for one
+            # token and 8% slower for 16
+            alt = self._best(hits_one, kv_tokens)
+            if alt is not None and best is not None and alt[0] < best[0]:
+                n = ONE_SLOT_CHECK_TOKENS
+                small_one = self._member_ms(alt[1][0][0], n, alt[4][0], kv_tokens)
+                small_two = self._member_ms(best[1][0][0], n, best[4][0], kv_tokens)
+                if small_one <= small_two * (1 + ONE_SLOT_MIN_GAIN):
+                    best = alt
+        if strict and kind != "auto" and -best[0][0] < len(self.tiers):
+            need = format_bytes(self.min_budget(kind, kv_tokens))
+            raise BudgetError(f"no {kind} plan fits a VRAM budget of {format_bytes(budget)} for every tier "
+                              f"(the {kind} plans need at least {need})")
+        small = [ti for ti, t in enumerate(self.tiers) if t <= SPLIT_TIER] if self.split_small else []
+        groups = [best[2] if ti in small else best[3] for ti in range(len(self.tiers))]
+        plans = [self._make_plan(*(self._with_share(kv_tokens, ti, groups[ti], b, m, ms)
+                                   if kind == "auto" and n_slots == self.n_slots else (m, ms, 0)),
+                                 tier, kind, kv_tokens, b, n_slots)
+                 for ti, ((m, ms), tier, b, n_slots) in enumerate(zip(best[1], self.tiers, budgets, best[4]))]
+        return PlanSet(budget, plans, step_tokens=best_step_tokens(plans))
+
+    def _member_ms(self, member: int, n_tokens: int, n_slots: int, kv_tokens: int) -> float:
+        """A family member's predicted step of `n_tokens` through `n_slots` slots (as the tables price it)."""
+        est, row = self.estimator, self.family.place[member:member + 1]
+        costs = est.costs(n_tokens, planning_context(n_tokens, kv_tokens))
+        return float(est.pipeline(row, n_slots).run(costs, est.rho)[0] + est.mixed_layer_ms(row, n_tokens)[0])
+
+    def _hit(self, kv_tokens: int, kind: str, group: int, ti: int, budget: int, n_slots: int):
+        """((member, ms), of the forced kind, n_slots): the fastest member of `group` at tier `ti` within
+        `budget` through `n_slots` slots, of `kind` where one fits, else of any kind; None where none fits."""
+        if kind != "auto" and (front := self._front(kv_tokens, kind, group, ti, n_slots)) is not None:
+            hit = front.lookup(budget)
+            if hit is not None:
+                return hit, True, n_slots
+        if (front := self._front(kv_tokens, "auto", group, ti, n_slots)) is not None:
+            hit = front.lookup(budget)
+            if hit is not None:
+                return hit, False, n_slots
+        return None
+
+    def _best(self, hits: dict[int, list], kv_tokens: int):
+        """The best rows of `hits` by (forced kinds met, `score` + split cost): (key, picks, small group,
+        large group, slots per tier), or None where no group fits every tier."""
         small = [ti for ti, t in enumerate(self.tiers) if t <= SPLIT_TIER] if self.split_small else []
         best = None
         for g_small in (hits if small else (None,)):
@@ -458,16 +505,7 @@ class Planner:
                         + self._split_cost(g_small, g_large, kv_tokens))
                 if best is None or cand < best[0]:
                     best = (cand, picks, g_small, g_large, [n for _, _, n in row])
-        if strict and kind != "auto" and -best[0][0] < len(self.tiers):
-            need = format_bytes(self.min_budget(kind, kv_tokens))
-            raise BudgetError(f"no {kind} plan fits a VRAM budget of {format_bytes(budget)} for every tier "
-                              f"(the {kind} plans need at least {need})")
-        groups = [best[2] if ti in small else best[3] for ti in range(len(self.tiers))]
-        plans = [self._make_plan(*(self._with_share(kv_tokens, ti, groups[ti], b, m, ms)
-                                   if kind == "auto" and n_slots == self.n_slots else (m, ms, 0)),
-                                 tier, kind, kv_tokens, b, n_slots)
-                 for ti, ((m, ms), tier, b, n_slots) in enumerate(zip(best[1], self.tiers, budgets, best[4]))]
-        return PlanSet(budget, plans, step_tokens=best_step_tokens(plans))
+        return best
 
     def _split_cost(self, g_small: int | None, g_large: int, kv_tokens: int) -> float:
         """What `score`'s reference workload pays for small tiers planned in another group than the large

@@ -483,3 +483,32 @@ def test_the_decode_tier_streams_through_one_slot_where_that_is_priced_faster(bu
     assert decode.vram.weights > two.for_tokens(1).vram.weights
     assert all(p.vram.total <= budget for p in one.plans)
     assert [p.predicted_ms for p in one.plans[1:]] == [p.predicted_ms for p in two.plans[1:]]
+
+
+def test_the_decode_tier_keeps_two_slots_where_one_would_slow_the_steps_that_share_its_plan(monkeypatch):
+    """Steps of up to 16 tokens (verify steps, small batches) run on the decode plan: at 2 GiB the H200
+    profile prices the Llama-3-8B one-slot decode plan faster for one token but slower for 16, so the planner
+    keeps two slots there (the guard off, it takes one); at 4 GiB one slot is no slower at 16 tokens."""
+    from pathlib import Path
+
+    import engine.sharding.planner as planner_mod
+    from engine.bench.shapes import get_shape
+    from engine.commands.plan import profile_from_file
+
+    prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
+    spec = ModelSpec.from_config(get_shape("llama3-8b"))
+    ctx16 = planning_context(16, 4096)
+
+    def decode_plans(budget):
+        planner = Planner(spec, prof)
+        return planner, planner.plan(budget, kv_tokens=4096).for_tokens(1), \
+            Planner(spec, prof, one_slot_tiers=()).plan(budget, kv_tokens=4096).for_tokens(1)
+    planner, chosen, two = decode_plans(2 << 30)
+    assert chosen.n_slots == 2 and chosen.placement == two.placement
+    planner, chosen, two = decode_plans(4 << 30)
+    assert chosen.n_slots == 1
+    assert planner.estimate(chosen, 16, ctx16) <= planner.estimate(two, 16, ctx16) * 1.005
+    monkeypatch.setattr(planner_mod, "ONE_SLOT_CHECK_TOKENS", 1)
+    planner, unguarded, two = decode_plans(2 << 30)
+    assert unguarded.n_slots == 1 and unguarded.predicted_ms < two.predicted_ms
+    assert planner.estimate(unguarded, 16, ctx16) > planner.estimate(two, 16, ctx16) * 1.005
