@@ -1,8 +1,8 @@
 #!/bin/bash
 # Session 26's next call, BX (written, not run; about 9 min). Copy into carry/ with the profile (h200-profile.json).
 # The decode tier streaming through one slot (written after session 26's last call: `planner.ONE_SLOT_TIERS`,
-# on by default, SLIPSTREAM_ONE_SLOT_DECODE=0 off). The H200 profile prices the Llama-3-8B decode plans 1.0 /
-# 1.4 / 1.9% faster at 2 / 4 / 8 GiB with one slot and another FFN resident.
+# on by default, SLIPSTREAM_ONE_SLOT_DECODE=0 off). The H200 profile prices the Llama-3-8B decode plans 1.4 /
+# 1.9% faster at 4 / 8 GiB with one slot and another FFN resident (two slots kept at 2 GiB).
 # 0) its CUDA tests (the executor switching slot counts between tiers, the planner's plans);
 # 1) decode_runs with one slot off and on, in turns inside one engine (abba), Llama-3-8B at 4 GiB, then 8 GiB;
 # 2) the suite's Llama 4 GiB row with it on (the table's row is session 26's call BO, before it).
