@@ -120,9 +120,7 @@ def _choose_base(raw: torch.Tensor) -> int:
     """The 7-value window of the exponent's top bits holding the most of a sample of the chunk's words."""
     hi = raw.view(-1, 2)[:, 1]
     sample = torch.bitwise_and(hi[::SAMPLE_STRIDE] if hi.numel() > 64 * SAMPLE_STRIDE else hi, 0x7F)
-    counts = torch.bincount(sample, minlength=128).cumsum(0)
-    window = counts[6:] - torch.cat([counts.new_zeros(1), counts[:-7]])        # [122]: words in [b, b + 6]
-    return int(window.argmax())
+    return int(_windows(torch.bincount(sample.to(torch.int64), minlength=128), 7).argmax())   # [b, b + 6]
 
 
 def _pays(words: int, escapes: int) -> bool:
