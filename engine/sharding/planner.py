@@ -80,7 +80,7 @@ SPLIT_TIER = 4
 # faster (95.3 / 65.7 ms against 96.7 / 67.0; `engine.bench.one_slot_plans`); at 2 GiB one slot is faster
 # for one token (109.4 against 113.4 ms) but slower for 16 (236.3 against 219.2), and two are kept. A switch
 # to and from a prompt's tier then also re-makes the slots, and the decode's extra resident FFN comes back
-# after each prompt (about 7 ms of copies on that machine).
+# after each prompt (336 MiB of copies: about 7 ms at the 49-52 GB/s its rate probes read, not measured as a switch).
 ONE_SLOT_TIERS = (1,)
 ONE_SLOT_MIN_GAIN = 0.005
 ONE_SLOT_CHECK_TOKENS = 16    # the engine runs steps of up to this many tokens on the decode plan (SMALL_STEP)
