@@ -178,8 +178,8 @@ class TorchEngine(Engine):
         # small-step tiers planned apart from the prompts' (Planner split_small; SLIPSTREAM_PLAN_SPLIT=1)
         self._split_plans = os.environ.get("SLIPSTREAM_PLAN_SPLIT", "0") == "1"
         # the decode tier may stream through one slot where the planner prices that faster
-        # (planner.ONE_SLOT_TIERS; SLIPSTREAM_ONE_SLOT_DECODE=0 keeps two slots in every tier)
-        self._one_slot = os.environ.get("SLIPSTREAM_ONE_SLOT_DECODE", "1") != "0"
+        # (planner.ONE_SLOT_TIERS; off by default, SLIPSTREAM_ONE_SLOT_DECODE=1 allows it)
+        self._one_slot = os.environ.get("SLIPSTREAM_ONE_SLOT_DECODE", "0") == "1"
         # a CPU share of the streamed dense FFNs' rows (Plan.ffn_cpu_rows): True = where the planner predicts
         # it faster (SLIPSTREAM_FFN_SHARE=1), False = never (the default: measured slower on the H200, see
         # planner.SHARE_STEPS), N = N rows in every plan (benchmarks' A/B runs)
@@ -540,7 +540,7 @@ class TorchEngine(Engine):
 
     def one_slot_decode(self, flag: bool) -> None:
         """Whether the decode tier may stream through one slot where the planner prices that faster
-        (`planner.ONE_SLOT_TIERS`, on by default; SLIPSTREAM_ONE_SLOT_DECODE=0 turns it off), re-planning at
+        (`planner.ONE_SLOT_TIERS`; off by default, SLIPSTREAM_ONE_SLOT_DECODE=1 turns it on), re-planning at
         once: benchmarks set the two beside each other in one engine (`engine.bench.decode_runs
         --one-slot-variants`)."""
         self._require_open()

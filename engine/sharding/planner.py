@@ -73,14 +73,16 @@ REFERENCE_DECODE = 256   # decode steps in the reference workload that `score` p
 # plans; with it among the large tiers, 169.8 and 101.3.
 SPLIT_TIER = 4
 # Tiers whose plans may stream through one slot instead of the planner's `n_slots`, where the pipeline prices
-# that faster by more than ONE_SLOT_MIN_GAIN (`Planner(one_slot_tiers=...)`) and the steps that share the
-# decode plan (up to ONE_SLOT_CHECK_TOKENS) no slower. In a decode step the CPU's sub-layers between two
-# streamed ones give the copy engine its time anyway, so the second slot buys little and its VRAM holds one
-# more sub-layer resident instead: the H200 profile prices the Llama-3-8B decode at 4 / 8 GiB 1.4 / 1.9%
-# faster (95.3 / 65.7 ms against 96.7 / 67.0; `engine.bench.one_slot_plans`); at 2 GiB one slot is faster
-# for one token (109.4 against 113.4 ms) but slower for 16 (236.3 against 219.2), and two are kept. A switch
-# to and from a prompt's tier then also re-makes the slots, and the decode's extra resident FFN comes back
-# after each prompt (336 MiB of copies: about 7 ms at the 49-52 GB/s its rate probes read, not measured as a switch).
+# that faster by more than ONE_SLOT_MIN_GAIN (`Planner(one_slot_tiers=ONE_SLOT_TIERS)`) and the steps that share
+# the decode plan (up to ONE_SLOT_CHECK_TOKENS) no slower. In a decode step the CPU's sub-layers between two
+# streamed ones give the copy engine its time anyway, so the second slot buys little and its VRAM could hold
+# one more sub-layer resident: with raw bf16 streams the H200 profile prices the Llama-3-8B decode at 4 / 8 GiB
+# 1.4 / 1.9% faster (95.3 / 65.7 ms against 96.7 / 67.0; `engine.bench.one_slot_plans`). Off by default
+# (`Planner` and the engine plan two slots everywhere; SLIPSTREAM_ONE_SLOT_DECODE=1 or
+# `TorchEngine.one_slot_decode(True)` allows one): with transfer coding, which the engine uses wherever host
+# memory allows, the same profile never prices one slot faster (`one_slot_plans --transfer-ratio 0.7529`),
+# and on the H200 (session 27, call BX) the engine planned the same two-slot decode either way (96.9 / 67.9
+# ms at 4 / 8 GiB), so it had nothing to measure.
 ONE_SLOT_TIERS = (1,)
 ONE_SLOT_MIN_GAIN = 0.005
 ONE_SLOT_CHECK_TOKENS = 16    # the engine runs steps of up to this many tokens on the decode plan (SMALL_STEP)
@@ -314,7 +316,7 @@ class Planner:
 
     def __init__(self, spec: ModelSpec, prof: ProfileDatabase, tiers: tuple[int, ...] = DEFAULT_TIERS,
                  n_slots: int = 2, head_rows: int | None = 1, split_small: bool = False,
-                 ffn_share: bool = False, one_slot_tiers: tuple[int, ...] = ONE_SLOT_TIERS):
+                 ffn_share: bool = False, one_slot_tiers: tuple[int, ...] = ()):
         if not tiers or any(int(t) < 1 for t in tiers):
             raise BadInputError(f"tiers={tiers!r}: expected positive token counts")
         self.spec, self.prof = spec, prof

@@ -20,7 +20,8 @@ Coded buffer layout (bytes): each chunk (coded: lo [W] | nibbles [ceil(W/2)], wo
 sub-layer, then the words int16 [k]); each piece starts `ALIGN`ed. The GPU decodes a chunk's escapes as
 garbage and the escape block, applied last, puts them right: one small operation per sub-layer.
 
-A tighter form (`SLIPSTREAM_TRANSFER_CODE_TIGHT=1`, experimental, off by default; not yet run on a GPU):
+A tighter form (`SLIPSTREAM_TRANSFER_CODE_TIGHT=1`, experimental, off by default: on the H200, session 27 call
+BY, Llama-3-8B at 4 GiB, 71.9% of the bytes against 75.3%, the prefills 2-4% faster, the decode 4% slower):
 the high byte of a normal bf16 matrix carries about 2.7 bits, and the 4-bit code spends 4. A tight chunk
 keeps the low bytes, a sign plane (1 bit a word) and a 2-bit code: the offset (0-2) of the exponent's top
 seven bits from a 3-value window (about 92% of a normal matrix's words), or 3 for a word whose top bits are

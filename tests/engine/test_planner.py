@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine.sharding.memory import vram_breakdown
 from engine.sharding.plan import PLAN_KINDS, Placement, Plan, PlanSet
-from engine.sharding.planner import Planner, planning_context, planset_score, score
+from engine.sharding.planner import ONE_SLOT_TIERS, Planner, planning_context, planset_score, score
 from engine.sharding.profile import ProfileDatabase
 from engine.sharding.spec import ModelSpec
 from tests.engine.planner_cases import is_kind, kv_sides, model_configs
@@ -387,7 +387,7 @@ def test_a_paused_warm_prices_the_same_tables_in_small_blocks():
     from engine.bench.shapes import get_shape
 
     spec = ModelSpec.from_config(get_shape("llama3-8b"))
-    whole, paused = Planner(spec, SIM), Planner(spec, SIM)
+    whole, paused = (Planner(spec, SIM, one_slot_tiers=ONE_SLOT_TIERS) for _ in range(2))
     pauses = []
     whole.warm(4096)
     paused.warm(4096, lambda: pauses.append(1))
@@ -473,8 +473,8 @@ def test_the_decode_tier_streams_through_one_slot_where_that_is_priced_faster(bu
     prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
     spec = ModelSpec.from_config(get_shape("llama3-8b"))
     budget = budget_gib << 30
-    one = Planner(spec, prof, tiers=(1, 4, 16, 512)).plan(budget, kv_tokens=4096)
-    two = Planner(spec, prof, tiers=(1, 4, 16, 512), one_slot_tiers=()).plan(budget, kv_tokens=4096)
+    one = Planner(spec, prof, tiers=(1, 4, 16, 512), one_slot_tiers=ONE_SLOT_TIERS).plan(budget, kv_tokens=4096)
+    two = Planner(spec, prof, tiers=(1, 4, 16, 512)).plan(budget, kv_tokens=4096)
     assert [p.n_slots for p in two.plans] == [2, 2, 2, 2]
     assert [p.n_slots for p in one.plans] == [1, 2, 2, 2]
     decode = one.for_tokens(1)
@@ -500,9 +500,9 @@ def test_the_decode_tier_keeps_two_slots_where_one_would_slow_the_steps_that_sha
     ctx16 = planning_context(16, 4096)
 
     def decode_plans(budget):
-        planner = Planner(spec, prof)
+        planner = Planner(spec, prof, one_slot_tiers=ONE_SLOT_TIERS)
         return planner, planner.plan(budget, kv_tokens=4096).for_tokens(1), \
-            Planner(spec, prof, one_slot_tiers=()).plan(budget, kv_tokens=4096).for_tokens(1)
+            Planner(spec, prof).plan(budget, kv_tokens=4096).for_tokens(1)
     planner, chosen, two = decode_plans(2 << 30)
     assert chosen.n_slots == 2 and chosen.placement == two.placement
     planner, chosen, two = decode_plans(4 << 30)
@@ -512,3 +512,27 @@ def test_the_decode_tier_keeps_two_slots_where_one_would_slow_the_steps_that_sha
     planner, unguarded, two = decode_plans(2 << 30)
     assert unguarded.n_slots == 1 and unguarded.predicted_ms < two.predicted_ms
     assert planner.estimate(unguarded, 16, ctx16) > planner.estimate(two, 16, ctx16) * 1.005
+
+
+@pytest.mark.parametrize("budget_gib", [4, 8])
+def test_with_transfer_coded_streams_the_decode_tier_keeps_two_slots(budget_gib):
+    """With the streamed sub-layers transfer-coded (75.3% of their bytes, as the engine codes Llama-3-8B's
+    random bf16 weights on the H200) the profile prices no one-slot decode plan faster, so even with one slot
+    allowed the plans are the two-slot ones: why one slot is off by default."""
+    from pathlib import Path
+
+    from engine.bench.one_slot_plans import coded_like
+    from engine.bench.shapes import get_shape
+    from engine.commands.plan import profile_from_file
+
+    prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
+    raw = ModelSpec.from_config(get_shape("llama3-8b"))
+    spec = coded_like(raw, 0.7529)
+    assert len(spec.transfer) == 65 and spec.stage_bytes > 0
+    budget = budget_gib << 30
+    allowed = Planner(spec, prof, one_slot_tiers=ONE_SLOT_TIERS).plan(budget, kv_tokens=2048)
+    two = Planner(spec, prof).plan(budget, kv_tokens=2048)
+    assert [p.n_slots for p in allowed.plans] == [2] * len(allowed.plans)
+    assert [p.placement for p in allowed.plans] == [p.placement for p in two.plans]
+    # (the same budget with raw streams does take one slot: the coding is what changes the choice)
+    assert Planner(raw, prof, one_slot_tiers=ONE_SLOT_TIERS).plan(budget, kv_tokens=2048).for_tokens(1).n_slots == 1
