@@ -16,7 +16,8 @@ engine opens (`ProfileDatabase.at_rates`). `--threads A,B` does the same for the
 pool follows), under one plan, `--spins A,B` for the native pool's spin before its workers sleep
 (`kernels.set_spin`; with `--cpu-variants`, each spin count runs a whole round of the variants), and `--cpu-variants none,layers.*.attn+head` for the planner's plan against the
 same plan with the named sub-layers computed on the CPU (`TorchEngine.move_to_cpu`; patterns joined by "+";
-"PATTERN=PLACE" places them instead: `none,head=resident+layers.*.attn=streamed`;
+"PATTERN=PLACE" places them instead: `none,head=resident+layers.*.attn=streamed`; "kv_layers=N" sets the
+GPU-resident KV prefix, so a variant can be another plan exactly;
 `streamed-ffn:N`: N of the FFNs the planner's one-token plan streams, evenly spaced); `--split-variants off,on`
 for the small-step tiers planned with the prompts' tiers or apart (`TorchEngine.split_plans`), `--host-io-variants
 off,on` for a captured attention between host sub-layers run from the host or not. `--order abba` reverses the

@@ -298,17 +298,26 @@ def best_step_tokens(plans: list[Plan]) -> int:
     return min(plans, key=lambda p: (p.predicted_ms / p.tier, p.tier)).tier
 
 
-def parse_move(entry: str) -> tuple[str, Placement]:
-    """One `Planner.moved_to_cpu` entry: "PATTERN" (computed on the CPU) or "PATTERN=PLACE" (PLACE: cpu,
-    resident or streamed) -> (pattern, placement); a one-line error for anything else."""
+def parse_move(entry: str) -> tuple[str, Placement | int]:
+    """One `Planner.moved_to_cpu` entry: "PATTERN" (computed on the CPU), "PATTERN=PLACE" (PLACE: cpu,
+    resident or streamed) -> (pattern, placement); "kv_layers=N" (the GPU-resident KV prefix: N layers,
+    at most as many as lead with their attention on the GPU) -> ("kv_layers", N); a one-line error for
+    anything else."""
     pat, sep, to = entry.partition("=")
     if not sep:
         return entry, Placement.CPU
+    if pat.strip() == KV_LAYERS_ENTRY:
+        if not to.strip().isdigit():
+            raise BadInputError(f"{entry!r}: expected kv_layers=N with N a number of layers")
+        return KV_LAYERS_ENTRY, int(to)
     try:
         return pat, Placement(to.strip().lower())
     except ValueError:
         raise BadInputError(f"{entry!r}: expected PATTERN or PATTERN=PLACE with PLACE one of cpu, resident, "
-                            "streamed") from None
+                            "streamed, or kv_layers=N") from None
+
+
+KV_LAYERS_ENTRY = "kv_layers"
 
 
 class Planner:
@@ -598,10 +607,14 @@ class Planner:
         CPU alone take no more VRAM than `plan`; the caller checks a move to the GPU against its budget
         (`vram.total`). A layer whose attention moves to the CPU
         keeps its KV cache in host memory (the GPU-resident KV prefix ends before it); one whose attention
-        moves to the GPU keeps its KV where it was (in host memory past the prefix: copied in each step)."""
+        moves to the GPU keeps its KV where it was (in host memory past the prefix: copied in each step),
+        unless a "kv_layers=N" entry sets the prefix: N layers, capped at the layers that lead with their
+        attention on the GPU (so a plan can be set to another plan's placement and KV exactly)."""
         from fnmatch import fnmatchcase
 
-        rules = [parse_move(p) for p in patterns]
+        parsed = [parse_move(p) for p in patterns]
+        rules = [(pat, to) for pat, to in parsed if pat != KV_LAYERS_ENTRY]
+        kv_set = [to for pat, to in parsed if pat == KV_LAYERS_ENTRY]
 
         def place(name: str, was: Placement) -> Placement:
             for pat, to in rules:
@@ -610,10 +623,13 @@ class Planner:
             return was
 
         placement = {n: place(n, p) for n, p in plan.placement.items()}
+        first_cpu = min([s.layer for s in self.spec.sublayers if s.kind == "attn" and placement[s.name] is Placement.CPU],
+                        default=self.spec.config.num_layers)
         kv_layers = plan.kv_layers
-        if kv_layers is not None:
-            kv_layers = min([kv_layers] + [s.layer for s in self.spec.sublayers
-                                           if s.kind == "attn" and placement[s.name] is Placement.CPU])
+        if kv_set:
+            kv_layers = min(kv_set[-1], first_cpu)
+        elif kv_layers is not None:
+            kv_layers = min(kv_layers, first_cpu)
         vram = vram_breakdown(self.spec, placement, plan.tier, plan.kv_tokens, plan.n_slots, kv_layers)
         moved = Plan(plan.tier, "manual", placement, plan.n_slots, float("nan"), vram, plan.kv_tokens, kv_layers)
         moved.predicted_ms = self.estimate(moved, plan.tier, planning_context(plan.tier, plan.kv_tokens))

@@ -42,6 +42,15 @@ def test_moving_sub_layers_to_the_cpu_keeps_the_tokens_and_comes_back(tiny_model
     assert [e.token_id for e in eng.generate("a b c d", max_new_tokens=12, seed=3)] == want
     assert all(p.on_gpu for p in kv.pools)
     assert any("moved to the CPU" in r["reason"] for r in eng.replans)
+
+    # a "kv_layers=N" entry sets the GPU-resident KV prefix: layer 1's attention stays on the GPU over its
+    # KV in host memory
+    eng.move_to_cpu(["layers.*.attn=resident", "kv_layers=1"])
+    plan = eng.executor.plan
+    assert plan.kv_layers == 1 and plan.host_kv_attention(1) and not plan.host_kv_attention(0)
+    assert [e.token_id for e in eng.generate("a b c d", max_new_tokens=12, seed=3)] == want
+    assert [p.on_gpu for p in kv.pools] == [True, False]
+    assert eng.accel.total_used <= eng.budget
     eng.close()
 
 

@@ -426,6 +426,41 @@ def test_a_plan_moved_to_the_cpu_takes_no_more_vram_and_is_priced_by_the_same_es
     assert same.placement == plan.placement and same.predicted_ms == pytest.approx(plan.predicted_ms)
 
 
+def test_a_kv_layers_entry_sets_a_plan_to_another_plans_placement_and_kv_exactly():
+    """A "kv_layers=N" entry sets the GPU-resident KV prefix of a moved plan, capped at the layers that lead
+    with their attention on the GPU: a plan with its attention moved to the CPU and back with its old prefix
+    is the plan again (placement, KV, VRAM, price), where without the entry the returning attention reads its
+    KV from host memory; a bad count fails with one line."""
+    from pathlib import Path
+
+    from engine.bench.shapes import get_shape
+    from engine.commands.plan import profile_from_file
+    from engine.errors import BadInputError
+    from engine.sharding.planner import parse_move
+
+    prof = profile_from_file(Path(__file__).parents[2] / "docs/benchmarks/profiles/h200.json")
+    spec = ModelSpec.from_config(get_shape("llama3-8b"))
+    planner = Planner(spec, prof, tiers=(1, 16))
+    plan = planner.plan(6 * 2**30, kv_tokens=2048).for_tokens(1)
+    on_gpu = [i for i in range(32) if plan.placement[f"layers.{i}.attn"] is not Placement.CPU]
+    assert plan.kv_layers and on_gpu[:plan.kv_layers] == list(range(plan.kv_layers))
+    away = planner.moved_to_cpu(plan, ("layers.*.attn",))
+    assert away.kv_layers == 0
+    back = [f"layers.{i}.attn={plan.placement[f'layers.{i}.attn'].value}" for i in on_gpu]
+    without = planner.moved_to_cpu(away, tuple(back))
+    assert without.placement == plan.placement and without.kv_layers == 0
+    again = planner.moved_to_cpu(away, (*back, f"kv_layers={plan.kv_layers}"))
+    assert again.placement == plan.placement and again.kv_layers == plan.kv_layers
+    assert again.vram == plan.vram
+    assert again.predicted_ms == pytest.approx(plan.predicted_ms)
+    assert without.predicted_ms > again.predicted_ms
+    capped = planner.moved_to_cpu(plan, ("layers.1.attn", "kv_layers=32"))
+    assert capped.kv_layers == 1
+    assert parse_move("kv_layers=4") == ("kv_layers", 4)
+    with pytest.raises(BadInputError, match="kv_layers=N"):
+        parse_move("kv_layers=all")
+
+
 def test_a_plan_moved_to_the_gpu_is_priced_and_bad_entries_are_refused():
     """`Planner.moved_to_cpu` with "PATTERN=PLACE" entries: the head made resident and every attention
     streamed, the KV prefix kept (a streamed attention past it reads its KV from host memory), priced by the
