@@ -568,9 +568,10 @@ class TorchEngine(Engine):
     def move_to_cpu(self, patterns: tuple[str, ...] | list[str] = ()) -> None:
         """From now on compute the sub-layers whose names match `patterns` ("layers.*.attn", "head") on the
         CPU in every plan, whatever the planner chose, or place them as an entry "PATTERN=PLACE" says
-        ("head=resident", "layers.*.attn=streamed"; "kv_layers=N" sets the GPU-resident KV prefix; a tier whose
-        moved plan would not fit its budget keeps the planner's), re-planning at once; () goes back to the planner's plans. For benchmarks that set a
-        placement beside the chosen one in one engine (the tokens are the same under any plan)."""
+        ("head=resident", "layers.*.attn=streamed"; "kv_layers=N" sets the GPU-resident KV prefix; a tier
+        whose moved plan would not fit its budget keeps the planner's), re-planning at once; () goes back to
+        the planner's plans. For benchmarks that set a placement beside the chosen one in one engine (the
+        tokens are the same under any plan)."""
         self._require_open()
         from engine.sharding.planner import parse_move
 

@@ -298,6 +298,9 @@ def best_step_tokens(plans: list[Plan]) -> int:
     return min(plans, key=lambda p: (p.predicted_ms / p.tier, p.tier)).tier
 
 
+KV_LAYERS_ENTRY = "kv_layers"    # the `moved_to_cpu` entry "kv_layers=N"
+
+
 def parse_move(entry: str) -> tuple[str, Placement | int]:
     """One `Planner.moved_to_cpu` entry: "PATTERN" (computed on the CPU), "PATTERN=PLACE" (PLACE: cpu,
     resident or streamed) -> (pattern, placement); "kv_layers=N" (the GPU-resident KV prefix: N layers,
@@ -315,9 +318,6 @@ def parse_move(entry: str) -> tuple[str, Placement | int]:
     except ValueError:
         raise BadInputError(f"{entry!r}: expected PATTERN or PATTERN=PLACE with PLACE one of cpu, resident, "
                             "streamed, or kv_layers=N") from None
-
-
-KV_LAYERS_ENTRY = "kv_layers"
 
 
 class Planner:
