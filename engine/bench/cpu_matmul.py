@@ -73,8 +73,16 @@ def main(argv=None) -> int:
                     help="pinned host -> GPU copies running through every timed call (needs CUDA)")
     ap.add_argument("--profile-file", default=None,
                     help="a profile database file: print its CPU GEMM price of each matmul beside the rates")
+    ap.add_argument("--prefetch", default="",
+                    help="prefetch distances (elements, comma-separated, repeats allowed: 0,512,0,512) the native "
+                         "path and the FFN block take turns at (kernels.set_prefetch); each row reports the median "
+                         "of each distance's turns")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    pfs = [int(v) for v in args.prefetch.split(",") if v] or [None]
+    if any(v is not None and v < 0 for v in pfs):
+        ap.error(f"--prefetch {args.prefetch}: distances must be at least 0")
+    pf_default = kernels.prefetch()
     if args.beside_copies and not torch.cuda.is_available():
         print("--beside-copies needs CUDA", file=sys.stderr)
         return 1
@@ -92,7 +100,10 @@ def main(argv=None) -> int:
     print(f"threads {torch.get_num_threads()}; native path: {kernels.status()}"
           f"{'; beside host -> GPU copies' if copier else ''}", flush=True)
     rows_out = []
-    paths = (("native", True), ("torch", False)) + ((("engine", None),) if args.engine_path else ())
+    def pf_name(pf):
+        return "native" if pf is None else f"native_pf{pf}"
+    native = tuple((pf_name(pf), True) for pf in dict.fromkeys(pfs))
+    paths = native + (("torch", False),) + ((("engine", None),) if args.engine_path else ())
     for name in args.dtypes.split(","):
         dt = DTYPES[name]
         per = 2 * f * h * dt.itemsize
@@ -101,11 +112,15 @@ def main(argv=None) -> int:
         for m in (int(r) for r in args.rows.split(",")):
             x = torch.randn(m, h).to(dt)
             row = {"dtype": name, "rows": m, "shape": [2 * f, h]}
-            for path, on in paths:
-                if path == "native" and not kernels.usable(x, ws[0], rows=1 << 30):
-                    row["native_gbps"] = None      # (past what the native kernel takes at all)
+            turns = [(pf_name(pf), True, pf) for pf in pfs] + [(p, on, None) for p, on in paths[len(native):]]
+            taken: dict[str, list[float]] = {}
+            for path, on, pf in turns:
+                if path.startswith("native") and not kernels.usable(x, ws[0], rows=1 << 30):
+                    row[f"{path}_gbps"] = None      # (past what the native kernel takes at all)
                     continue
                 kernels.set_enabled(on is not False)
+                if pf is not None:
+                    kernels.set_prefetch(pf)
 
                 def call(i, x=x, ws=ws, count=count, native=on is True):
                     if copier is not None:
@@ -115,8 +130,14 @@ def main(argv=None) -> int:
                         if y is not None:
                             return y
                     return dense.linear(x, ws[i % count])
-                row[f"{path}_gbps"] = round(_rate(call, per, count, args.min_s), 2)
+                taken.setdefault(path, []).append(round(_rate(call, per, count, args.min_s), 2))
+            for path, rates in taken.items():
+                row[f"{path}_gbps"] = round(statistics.median(rates), 2)
+                if len(rates) > 1:
+                    row[f"{path}_turns_gbps"] = rates
             kernels.set_enabled(True)
+            if pf_default is not None:
+                kernels.set_prefetch(pf_default)
             flops = 2 * m * per / dt.itemsize
             for path, _ in paths:
                 gbps = row.get(f"{path}_gbps")
@@ -140,21 +161,28 @@ def main(argv=None) -> int:
                "gate_up.weight": torch.randn(2 * f, h).to(torch.bfloat16),
                "down.weight": torch.randn(h, f).to(torch.bfloat16)} for _ in range(count)]
     x = torch.randn(1, h).to(torch.bfloat16)
-    block = {}
-    for path, on in (("native", True), ("torch", False)):
+    block, taken = {}, {}
+    for path, on, pf in [(pf_name(pf), True, pf) for pf in pfs] + [("torch", False, None)]:
         kernels.set_enabled(on)
-        block[f"{path}_gbps"] = round(_rate(lambda i, blocks=blocks: dense.ffn_block(cfg, blocks[i % count], x), per, count,
-                                            args.min_s), 2)
+        if pf is not None:
+            kernels.set_prefetch(pf)
+        taken.setdefault(path, []).append(round(_rate(lambda i, blocks=blocks: dense.ffn_block(cfg, blocks[i % count], x),
+                                                      per, count, args.min_s), 2))
     kernels.set_enabled(True)
-    block["native_ms"] = round(per / block["native_gbps"] / 1e6, 3)
-    print(f"FFN block bf16, 1 token ({per / 1e6:.0f} MB): native {block['native_gbps']:.1f} GB/s "
-          f"({block['native_ms']:.2f} ms)   torch {block['torch_gbps']:.1f} GB/s", flush=True)
+    if pf_default is not None:
+        kernels.set_prefetch(pf_default)
+    for path, rates in taken.items():
+        block[f"{path}_gbps"] = round(statistics.median(rates), 2)
+        block[f"{path}_ms"] = round(per / block[f"{path}_gbps"] / 1e6, 3)
+    print(f"FFN block bf16, 1 token ({per / 1e6:.0f} MB): "
+          + "   ".join(f"{p} {block[f'{p}_gbps']:.1f} GB/s ({block[f'{p}_ms']:.2f} ms)" for p in taken), flush=True)
     del blocks
     bw = round(read_bandwidth(min(args.rotate_gib, 2.0)), 1)
     print(f"host memory read (float32 sum): {bw} GB/s", flush=True)
     result = {"command": "python -m engine.bench.cpu_matmul " + " ".join(argv or sys.argv[1:]),
               "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                           "torch": torch.__version__, "native": kernels.status()},
+              "prefetch_default": pf_default,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "matmul": rows_out, "ffn_block": block, "read_gbps": bw,
               "beside_copies_gbps": copies, "profile_file": args.profile_file}

@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one-slot-variants", default="",
                     help="comma-separated off/on: the runs take turns with the decode tier kept at two streaming "
                          "slots or allowed one where priced faster (TorchEngine.one_slot_decode; re-plans)")
+    ap.add_argument("--prefetch-variants", default="",
+                    help="comma-separated prefetch distances (elements; 0 off) of the native matmuls' long rows "
+                         "that the runs take turns at (kernels.set_prefetch)")
     ap.add_argument("--cpu-variants", default="",
                     help="placements the runs take turns at: comma-separated, each 'none' (the planner's plan) or "
                          "sub-layer name patterns joined by '+' that the plan computes on the CPU")
@@ -131,15 +134,24 @@ def main(argv: list[str] | None = None) -> int:
         return [v == "on" for v in turns]
     args.splits, args.host_io, args.issuer = onoff("split"), onoff("host-io"), onoff("issuer")
     args.one_slot, args.ahead = onoff("one-slot"), onoff("ring-ahead")
+    args.prefetch = [int(v) for v in args.prefetch_variants.split(",") if v]
+    if any(v < 0 for v in args.prefetch):
+        ap.error(f"--prefetch-variants {args.prefetch_variants}: distances must be at least 0")
     spins = [int(s) for s in args.spins.split(",") if s]
     if any(s < 0 for s in spins):
         ap.error(f"--spins {args.spins}: spin counts must be at least 0")
     threads0 = torch.get_num_threads()
+    if args.prefetch:
+        from engine import kernels
+
+        prefetch0 = kernels.prefetch()
     variants = [() if v == "none" else tuple(v.split("+")) for v in args.cpu_variants.split(",") if v]
     try:
         return _runs(args, names, profiles, threads, variants, spins, argv)
     finally:
         torch.set_num_threads(threads0)
+        if args.prefetch and prefetch0 is not None:
+            kernels.set_prefetch(prefetch0)
         if spins:
             from engine import kernels
 
@@ -233,6 +245,11 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
         if args.one_slot:
             eng.one_slot_decode(args.one_slot[turn(i, len(args.one_slot))])
             one_run(eng, 890 + i, salt, 4)              # (the re-plan and its weight moves out of the timed run)
+        if args.prefetch:
+            from engine import kernels
+
+            kernels.set_prefetch(args.prefetch[turn(i, len(args.prefetch))])
+            one_run(eng, 990 + i, salt, 4)
         if spins:
             from engine import kernels
 
@@ -258,20 +275,21 @@ def _runs(args, names, profiles, threads, variants, spins, argv) -> int:
         rows[-1]["ring_ahead"] = args.ahead[turn(i, len(args.ahead))] if args.ahead else None
         rows[-1]["one_slot"] = args.one_slot[turn(i, len(args.one_slot))] if args.one_slot else None
         rows[-1]["spin"] = spins[_spin_turn(i, spins, variants)] if spins else None
+        rows[-1]["prefetch"] = args.prefetch[turn(i, len(args.prefetch))] if args.prefetch else None
         rows[-1]["moved_to_cpu"] = "+".join(variants[turn(i, len(variants))]) or "none" if variants else None
         rows[-1]["variant"] = asked[turn(i, len(asked))] if variants else None
-    print("| run | profile | threads | spin | split | host io | issuer | ring ahead | one slot | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | profile | threads | spin | prefetch | split | host io | issuer | ring ahead | one slot | on the CPU | t/s | NVML poll | first 4 ms | median ms | max ms | plan | KV | re-plans | copied MiB/token |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         t = r["token_ms"]
         copied = (r["counters"]["streamed_bytes"] or 0) / max(len(t) + 1, 1) / 2**20
-        print(f"| {r['run']} | {_short(r['profile'])} | {r['threads']} | {r['spin'] if r['spin'] is not None else '-'} | {_onoff(r['split_plans'])} | {_onoff(r['graph_host_io'])} | {_onoff(r['issue_thread'])} | {_onoff(r['ring_ahead'])} | {_onoff(r['one_slot'])} | {r['variant'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
+        print(f"| {r['run']} | {_short(r['profile'])} | {r['threads']} | {r['spin'] if r['spin'] is not None else '-'} | {r['prefetch'] if r['prefetch'] is not None else '-'} | {_onoff(r['split_plans'])} | {_onoff(r['graph_host_io'])} | {_onoff(r['issue_thread'])} | {_onoff(r['ring_ahead'])} | {_onoff(r['one_slot'])} | {r['variant'] or '-'} | {r['tps']:.2f} | {r['nvml_poll_s'] or '-'} | {[round(x, 1) for x in t[:4]]} | "
               f"{statistics.median(t):.1f} | {max(t):.1f} | "
               f"{r['plan']['tier']}/{r['plan']['kind']}/{r['plan']['n_slots']} slots {r['plan']['predicted_ms']:.1f} | {r['kv_tokens']} | "
               f"{'; '.join(x['reason'] for x in r['replans']) or '-'} | {copied:.1f} |", flush=True)
     eng.close()
     path = write_report(args.out, "decode_runs", {"shape": args.shape, "budget": args.budget, "device": args.device,
-                                                  "profiles": names, "probed_rates": args.probed, "split_variants": args.splits, "host_io_variants": args.host_io, "issuer_variants": args.issuer, "ring_ahead_variants": args.ahead, "one_slot_variants": args.one_slot, "threads": threads, "spins": spins,
+                                                  "profiles": names, "probed_rates": args.probed, "split_variants": args.splits, "host_io_variants": args.host_io, "issuer_variants": args.issuer, "ring_ahead_variants": args.ahead, "one_slot_variants": args.one_slot, "threads": threads, "spins": spins, "prefetch_variants": args.prefetch,
                                                   "cpu_variants": ["+".join(v) or "none" for v in variants], "rows": rows},
                         "python -m engine.bench.decode_runs " + " ".join(sys.argv[1:] if argv is None else argv))
     print(f"wrote {path}")

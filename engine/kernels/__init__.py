@@ -225,6 +225,10 @@ def _load():
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
         lib.sl_amx_ready.restype = ctypes.c_int
+        lib.sl_set_prefetch.argtypes = [ctypes.c_int]
+        lib.sl_set_prefetch.restype = ctypes.c_int
+        if os.environ.get("SLIPSTREAM_KERNEL_PREFETCH"):     # (elements a long row's reads run ahead; 0 off)
+            lib.sl_set_prefetch(max(int(os.environ["SLIPSTREAM_KERNEL_PREFETCH"]), 0))
         if os.environ.get("SLIPSTREAM_CPU_AMX", "1") != "0":    # (0: no tiles, for A/B runs)
             _amx_tiles = bool(lib.sl_amx_ready())
         _lib = lib
@@ -271,6 +275,20 @@ def set_spin(spins: int) -> bool:
     with _lock:
         _threads = lib.sl_set_threads(torch.get_num_threads(), max(int(spins), 0))
     return True
+
+
+def set_prefetch(words: int) -> int | None:
+    """How many elements ahead the native matmuls prefetch a long row's reads (rows of at least 4096
+    elements; 0: leave it to the hardware prefetcher), from now on; the distance in use, or None where the
+    library is not loaded. The products are the same either way. SLIPSTREAM_KERNEL_PREFETCH sets it at load."""
+    lib = _load()
+    return None if lib is None else int(lib.sl_set_prefetch(max(int(words), 0)))
+
+
+def prefetch() -> int | None:
+    """The distance `set_prefetch` set (512 elements unless changed), or None without the library."""
+    lib = _load()
+    return None if lib is None else int(lib.sl_set_prefetch(-1))
 
 
 def status(wait: bool = False) -> str:

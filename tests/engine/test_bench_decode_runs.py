@@ -93,25 +93,46 @@ def test_decode_runs_take_turns_at_placements_moved_to_the_cpu(tmp_path):
     assert [r["plan"]["kind"] == "manual" for r in rows] == [False, True] * 2
 
 
-def test_decode_runs_cross_spin_counts_with_placements(tmp_path):
+def _recording(monkeypatch, name: str) -> list:
+    """The values each call of `engine.kernels.<name>` passes, in order (the call still goes through)."""
+    from engine import kernels
+
+    seen, real = [], getattr(kernels, name)
+    monkeypatch.setattr(kernels, name, lambda n: seen.append(n) or real(n))
+    return seen
+
+
+def test_decode_runs_cross_spin_counts_with_placements(tmp_path, monkeypatch):
     """`--spins A,B` with `--cpu-variants`: each spin count runs a whole round of the variants (the two axes
     cross), and the pool's spin is the default again afterwards."""
     from engine import kernels
     from engine.bench import decode_runs
 
-    seen = []
-    real = kernels.set_spin
-    kernels.set_spin = lambda n: seen.append(n) or real(n)
-    try:
-        assert decode_runs.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--runs", "4",
-                                 "--tokens", "4", "--spins", "2000,20000", "--cpu-variants", "none,layers.*.attn",
-                                 "--out", str(tmp_path)]) == 0
-    finally:
-        kernels.set_spin = real
+    seen = _recording(monkeypatch, "set_spin")
+    assert decode_runs.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--runs", "4",
+                             "--tokens", "4", "--spins", "2000,20000", "--cpu-variants", "none,layers.*.attn",
+                             "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "decode_runs.json").read_text())["rows"]
     assert [(r["spin"], r["moved_to_cpu"]) for r in rows] == [
         (2000, "none"), (2000, "layers.*.attn"), (20000, "none"), (20000, "layers.*.attn")]
     assert seen[:4] == [2000, 2000, 20000, 20000] and seen[-1] == kernels.SPIN
+
+
+def test_decode_runs_take_turns_at_prefetch_distances_and_put_the_default_back(tmp_path, monkeypatch):
+    """`--prefetch-variants 0,512`: the runs take turns at the native matmuls' prefetch distance, each row
+    records its own, and the default distance is in use again afterwards."""
+    from engine import kernels
+    from engine.bench import decode_runs
+
+    seen = _recording(monkeypatch, "set_prefetch")
+    assert decode_runs.main(["--shape", "tiny-llama", "--budget", "2MiB", "--device", "sim", "--runs", "4",
+                             "--tokens", "4", "--prefetch-variants", "0,512", "--order", "abba",
+                             "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "decode_runs.json").read_text())
+    assert [r["prefetch"] for r in report["rows"]] == [0, 512, 512, 0]
+    assert report["prefetch_variants"] == [0, 512]
+    assert seen[:4] == [0, 512, 512, 0] and seen[-1] == 512
+    assert kernels.prefetch() in (None, 512)
 
 
 def test_decode_runs_lease_profile_is_the_file_moved_to_the_probed_rates(tmp_path, monkeypatch):

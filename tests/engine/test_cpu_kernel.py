@@ -360,3 +360,43 @@ def test_the_tiles_take_past_sixteen_rows_and_the_environment_turns_them_off(tmp
                          timeout=300).stdout.splitlines()
     assert "AMX" not in out[0] and out[0].startswith("native")
     assert out[1] == str(kernels.MAX_ROWS) and out[2] == "None"
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [4096, 4100, 14336])
+def test_prefetch_distances_change_no_bits(k):
+    """The native matmuls prefetch a long row's reads ahead (`kernels.set_prefetch`, elements; 0: off):
+    every distance, one running past the rows' ends included, gives the same bits for bf16, float32 and a
+    transfer-coded bf16 matrix; the distance set is the one in use."""
+    from engine.sharding import transfer_code as tc
+
+    g = torch.Generator().manual_seed(k)
+    n = 37
+    w16 = (torch.randn(n, k, generator=g) * 0.02).to(torch.bfloat16)
+    w32 = torch.randn(n, k, generator=g)
+    coded = None
+    if kernels.coded_ready():
+        raw = w16.view(-1).view(torch.uint8)
+        layout = tc.plan(raw, chunk_words=8 * k, segments=[(0, n * k, k)])
+        buf = tc.encode_into(raw, layout, torch.empty(tc.coded_size(*layout[1:]), dtype=torch.uint8))
+        coded = tc.CpuMatrix(buf, 0, n, k)
+    kernels.status(wait=True)
+    before = kernels.prefetch()
+    try:
+        outs = []
+        for pf in (0, 64, 512, 1 << 20):
+            assert kernels.set_prefetch(pf) == pf and kernels.prefetch() == pf
+            got = []
+            for m in (1, 4):
+                x16, x32 = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16), \
+                    torch.randn(m, k, generator=torch.Generator().manual_seed(m + 9))
+                got += [kernels.linear(x16, w16, min_weights=0, rows=m), kernels.linear(x32, w32, min_weights=0, rows=m)]
+                if coded is not None:
+                    got.append(kernels.linear_coded(x16, coded, n, k))
+            assert all(y is not None for y in got)
+            outs.append(got)
+        for other in outs[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+    finally:
+        kernels.set_prefetch(before)
+    assert kernels.prefetch() == before == 512
