@@ -7,7 +7,7 @@
 # with the distance off and on in turns in one engine (abba); 3) the same with the CPU reading the coded weights
 # (SLIPSTREAM_CPU_CODED=1: 0.58-0.81x on this host before, when its coded matmul was starved of reads the way
 # prefetching fixed here: 0.61-0.69x -> 0.96-1.07x at one row on the AMD machine); 4) the suite's Llama 4 GiB
-# row at the defaults.
+# row at the defaults; 5) with time left, the profile measured again (its CPU tables with prefetching).
 # If 2) does not pay there, set PF_WORDS_DEFAULT to 0 in engine/kernels/cpu_linear.c (or keep it for CPUs
 # where it was measured) before the row is kept; if it pays, part_replace --models llama3-8b --budgets 4GiB.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site carry/*.whl 2>/dev/null
@@ -35,5 +35,11 @@ step "suite row, Llama 4 GiB (defaults)"
 python3 -m engine bench --gpu --part slipstream --models llama3-8b --budgets 4GiB --out $W/row --deadline-epoch $((D-5)) \
   > $W/row.log 2>&1; echo "rc=$?"; grep -h "slipstream llama3-8b\|opened" $W/row.log | cut -c1-200 | tail -3
 cp $W/row/part-slipstream.json $OUT/part-slipstream-llama-4gib.json 2>/dev/null
+left=$(( D - $(date +%s) ))
+if [ $left -gt 75 ]; then
+  step "profile with prefetching (50 s): the planner's CPU prices if it pays"
+  timeout $(( left - 15 )) python3 -m engine profile --device cuda --db $W/h200-prefetch.json > $W/profile.log 2>&1
+  echo "rc=$?"; cp $W/h200-prefetch.json $OUT/ 2>/dev/null
+fi
 step pack
 tar cJf $OUT/callcd.tar.xz -C $W .
