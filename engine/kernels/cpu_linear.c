@@ -377,12 +377,18 @@ dots_coded_impl(const void *x, const coded_mat *cm, int64_t K, const int nr, con
         }
     }
 #else
+    const int64_t pf = pf_words;
     for (int64_t k = 0; k < K; k += 32) {
         __mmask32 m = K - k >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1ull << (K - k)) - 1);
         __m512bh xv[MTILE];
         for (int t = 0; t < nt; t++)
             xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(m, (const uint16_t *)x + (size_t)t * K + k);
         for (int r = 0; r < nr; r++) {
+            if (pf && (k & 63) == 0) {     /* (as the byte-permute path: a line of low bytes, half one of codes) */
+                int64_t c = coded_chunk_of(cm, n0 + r), rr = n0 + r - cm->first_row[c], ahead = pf_offset(K, k, pf);
+                _mm_prefetch((const char *)(cm->lo[c] + rr * K + ahead), _MM_HINT_T0);
+                if ((k & 127) == 0) _mm_prefetch((const char *)(cm->nib[c] + (rr * K + ahead) / 2), _MM_HINT_T0);
+            }
             __m512bh wv = (__m512bh)coded_words(cm, n0 + r, K, k, m);
             for (int t = 0; t < nt; t++) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xv[t], wv);
         }
