@@ -38,11 +38,10 @@
  * docs/benchmarks/README.md, session 9). */
 #define SHORT_ROW 4096
 /* Longer rows prefetch their own reads `pf_words` elements ahead (past a row's end: the next row block's same
- * row), `sl_set_prefetch`. On two cores here (AMD EPYC, AVX512-BF16; engine.bench.coded_matmul and
- * cpu_matmul, session 27) the hardware prefetcher alone left a Llama-3-8B down projection [4096, 14336] at
- * 39 GB/s for one token, its gate/up [28672, 4096] at 22 GB/s for four, and the transfer-coded matmul at a
- * third of the raw one's bytes a second; 512 elements ahead read 49, 36, and the coded matmul 0.8-0.9x the
- * raw one's time. 0 turns it off. */
+ * row), `sl_set_prefetch`; 0 turns it off. On two cores of an AMD EPYC with AVX512-BF16 (session 27,
+ * docs/benchmarks/cpu_prefetch/long_rows/) the hardware prefetcher alone left a Llama-3-8B down projection
+ * [4096, 14336] at 38 GB/s for one token, its gate/up [28672, 4096] at 22 GB/s for four, and the
+ * transfer-coded matmul at 22-23 GB/s of weights; 512 elements ahead read 47, 39, and 39-45. */
 #define PF_WORDS_DEFAULT 512
 static int pf_words = PF_WORDS_DEFAULT;
 
