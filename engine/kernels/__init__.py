@@ -228,7 +228,12 @@ def _load():
         lib.sl_set_prefetch.argtypes = [ctypes.c_int]
         lib.sl_set_prefetch.restype = ctypes.c_int
         if os.environ.get("SLIPSTREAM_KERNEL_PREFETCH"):     # (elements a long row's reads run ahead; 0 off)
-            lib.sl_set_prefetch(max(int(os.environ["SLIPSTREAM_KERNEL_PREFETCH"]), 0))
+            value = os.environ["SLIPSTREAM_KERNEL_PREFETCH"]
+            if value.strip().isdigit():
+                lib.sl_set_prefetch(int(value))
+            else:
+                log.warning("SLIPSTREAM_KERNEL_PREFETCH=%r: expected a number of elements (0: off); keeping %d",
+                            value, lib.sl_set_prefetch(-1))
         if os.environ.get("SLIPSTREAM_CPU_AMX", "1") != "0":    # (0: no tiles, for A/B runs)
             _amx_tiles = bool(lib.sl_amx_ready())
         _lib = lib

@@ -400,3 +400,18 @@ def test_prefetch_distances_change_no_bits(k):
     finally:
         kernels.set_prefetch(before)
     assert kernels.prefetch() == before == 512
+
+
+@needs_kernel
+def test_the_environment_sets_the_prefetch_distance_and_a_bad_value_is_named_and_ignored(tmp_path):
+    """SLIPSTREAM_KERNEL_PREFETCH sets the distance when the library loads; a value that is no count of
+    elements is named in a warning and the default kept."""
+    code = ("import logging; logging.basicConfig(); from engine import kernels; "
+            "kernels.status(wait=True); print('distance', kernels.prefetch())")
+    for value, want in (("0", "distance 0"), ("2048", "distance 2048"), ("lots", "distance 512")):
+        env = {**os.environ, "SLIPSTREAM_KERNEL_PREFETCH": value}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                           check=False)
+        assert r.returncode == 0, r.stderr
+        assert want in r.stdout
+        assert ("SLIPSTREAM_KERNEL_PREFETCH='lots'" in r.stderr) == (value == "lots")
