@@ -3,7 +3,8 @@
 # The native CPU matmul now prefetches rows of 4096+ elements 512 elements ahead (written after session 27's
 # last call; on by default; SLIPSTREAM_KERNEL_PREFETCH=0 off). On the 2-core AMD machine here: the FFN block
 # 32.8 -> 45.5 GB/s, a 6-layer Llama-3-8B CPU decode 10.45 -> 15.62 t/s. The H200 host is Intel, 16 threads,
-# memory read 88-124 GB/s: 1) cpu_matmul with the distance off and on in turns; 2) the Llama-3-8B 4 GiB decode
+# memory read 88-124 GB/s: 1) cpu_matmul with the distance off and on in turns (8 and 16 rows too: past 4 rows
+# bf16 goes to PyTorch on AMX hosts, kernels.MAX_ROWS_AMX_BF16, which prefetching may move); 2) the Llama-3-8B 4 GiB decode
 # with the distance off and on in turns in one engine (abba); 3) the same with the CPU reading the coded weights
 # (SLIPSTREAM_CPU_CODED=1: 0.58-0.81x on this host before, when its coded matmul was starved of reads the way
 # prefetching fixed here: 0.61-0.69x -> 0.96-1.07x at one row on the AMD machine); 4) the suite's Llama 4 GiB
@@ -17,7 +18,7 @@ cp carry/h200-profile.json $W/profile.json; export SLIPSTREAM_PROFILE_DB=$W/prof
 T0=$(date +%s); D=$(( T0 + ${BUDGET_S:-540} ))
 step() { echo "=== $1 ($(( $(date +%s) - T0 )) s)"; }
 step "cpu_matmul, prefetch off/on"
-timeout 120 python3 -m engine.bench.cpu_matmul --rows 1,4 --dtypes bfloat16 --prefetch 0,512,0,512 --out $W/cpu \
+timeout 120 python3 -m engine.bench.cpu_matmul --rows 1,4,8,16 --dtypes bfloat16 --prefetch 0,512,0,512 --out $W/cpu \
   > $W/cpu.log 2>&1; echo "rc=$?"; grep "rows\|FFN block\|host memory" $W/cpu.log | cut -c1-200
 cp $W/cpu/cpu_matmul.json $OUT/ 2>/dev/null
 timeout 60 python3 -m engine.bench.coded_matmul --rows 1,4 --prefetch 0,512 --out $W/coded > $W/coded.log 2>&1
