@@ -174,14 +174,30 @@ def test_host_kv_attention_over_blocks_out_of_order_gives_the_tokens_of_each_alo
     alone = [[e.token_id for e in eng.generate(p, max_new_tokens=12) if e.token_id is not None] for p in prompts]
     kv = eng.executor.kv
     gathered = []
-    real = kv._block_parts
 
-    def spy(pool, seq, length, pin=False):
+    def out_of_order(seq, length):
         blocks = seq.block_table[:-(-length // 16)]
-        gathered.append(blocks != list(range(blocks[0], blocks[0] + len(blocks))))
-        return real(pool, seq, length, pin)
+        return blocks != list(range(blocks[0], blocks[0] + len(blocks)))
 
-    monkeypatch.setattr(kv, "_block_parts", spy)
+    # (a host pool is read by one of three paths, by where the tensors are and what the CPU has: a gathered
+    # copy, the native kernel through a block table, or a padded batch's rows)
+    real_parts, real_table, real_padded = kv._block_parts, kv.decode_table, kv._padded_rows
+
+    def spy_parts(pool, seq, length, pin=False):
+        gathered.append(out_of_order(seq, length))
+        return real_parts(pool, seq, length, pin)
+
+    def spy_table(seq, length):
+        gathered.append(out_of_order(seq, length))
+        return real_table(seq, length)
+
+    def spy_padded(seqs, *args, **kwargs):
+        gathered.extend(out_of_order(seq, length) for seq, length in seqs)
+        return real_padded(seqs, *args, **kwargs)
+
+    monkeypatch.setattr(kv, "_block_parts", spy_parts)
+    monkeypatch.setattr(kv, "decode_table", spy_table)
+    monkeypatch.setattr(kv, "_padded_rows", spy_padded)
     handles = [eng.submit(p, max_new_tokens=12) for p in prompts]
     together = [[e.token_id for e in h if e.token_id is not None] for h in handles]
     assert any(gathered)
