@@ -5,8 +5,9 @@ distance does to whole decode steps, not only to one matmul (`engine.bench.cpu_m
     python -m engine.bench.cpu_decode --shape llama3-8b --layers 6 --prefetch 0,512 --turns 10 --tokens 40 --out DIR
 
 Each turn decodes `--tokens` tokens greedily after a short prompt; a turn's rate is the inverse of its median
-token interval. The distances take turns in abba order. Prints a table; writes DIR/cpu_decode.json (command,
-machine, date).
+token interval. The distances take turns in abba order; a distance given as `torch` is a turn with the native
+path off (`kernels.set_enabled(False)`: PyTorch's matmuls and attention), the engine's path where the
+library is missing or declines. Prints a table; writes DIR/cpu_decode.json (command, machine, date).
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama3-8b")
     ap.add_argument("--layers", type=int, default=6, help="layers kept (the head and embedding stay whole)")
-    ap.add_argument("--prefetch", default="0,512", help="comma-separated distances in elements (0: off)")
+    ap.add_argument("--prefetch", default="0,512",
+                    help="comma-separated distances in elements (0: off), or torch (the native path off)")
     ap.add_argument("--turns", type=int, default=10)
     ap.add_argument("--tokens", type=int, default=40)
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
-    pfs = [int(v) for v in a.prefetch.split(",") if v]
-    if not pfs or any(v < 0 for v in pfs) or a.layers < 1 or a.turns < 1 or a.tokens < 3:
-        ap.error("expected distances of at least 0, --layers, --turns at least 1 and --tokens at least 3")
+    try:
+        pfs = [v if v == "torch" else int(v) for v in a.prefetch.split(",") if v]
+    except ValueError:
+        pfs = []
+    if not pfs or any(v != "torch" and v < 0 for v in pfs) or a.layers < 1 or a.turns < 1 or a.tokens < 3:
+        ap.error("expected distances of at least 0 or torch, --layers, --turns at least 1 and --tokens at least 3")
     import torch
 
     from engine import kernels
@@ -61,10 +66,14 @@ def main(argv=None) -> int:
         rows = []
         for i in range(a.turns):
             pf = pfs[turn(i, len(pfs))]
-            kernels.set_prefetch(pf)
-            rows.append({"turn": i, "prefetch": kernels.prefetch(), "tps": round(run(i + 1, a.tokens), 2)})
+            kernels.set_enabled(pf != "torch")
+            if pf != "torch":
+                kernels.set_prefetch(pf)
+            rows.append({"turn": i, "prefetch": pf if pf == "torch" else kernels.prefetch(),
+                         "tps": round(run(i + 1, a.tokens), 2)})
     finally:
         eng.close()
+        kernels.set_enabled(True)
         kernels.set_prefetch(before)
     summary = {pf: statistics.median([r["tps"] for r in rows if r["prefetch"] == pf]) for pf in dict.fromkeys(pfs)}
     print(f"{a.shape}, {a.layers} layers, {torch.get_num_threads()} threads; {status}")

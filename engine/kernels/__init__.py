@@ -50,7 +50,7 @@ MAX_ROWS_AMX_BF16 = 4      # bf16 where the CPU has AMX: PyTorch's GEMM reads th
                            # 8 rows 13.4 GB/s against 22.9 on two cores here; 16 rows 23.5-27.8 against
                            # 56.7-68.8 on the H200 host; 4 rows still the kernel's, 66-79 against 62-66)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_ISA = {0: "portable C", 1: "AVX-512", 2: "AVX512-BF16"}
+_ISA = {0: "portable C", 1: "AVX-512", 2: "AVX512-BF16", 3: "AVX2"}
 
 _lock = threading.Lock()
 _busy = threading.Lock()       # held while the native pool runs a job
@@ -58,6 +58,7 @@ _lib = None
 _why_not: str | None = None
 _attention_fast = False    # the library's decode attention is vector code (else PyTorch's SDPA is kept)
 _amx_tiles = False         # the library runs bf16 matmuls of many rows on AMX tiles (sl_amx_ready)
+_dots_fast = False         # the library's matmuls are vector code (AVX-512 or AVX2 with FMA; `_matmul_lib`)
 _threads = 0
 
 
@@ -125,7 +126,7 @@ def _build() -> Path:
 
 def _load():
     """The loaded library, or None (and `_why_not` set)."""
-    global _lib, _why_not, _attention_fast, _amx_tiles
+    global _lib, _why_not, _attention_fast, _amx_tiles, _dots_fast
     if _lib is not None or _why_not is not None:
         return _lib
     with _lock:
@@ -224,6 +225,7 @@ def _load():
         lib.sl_set_threads.argtypes = [ctypes.c_int, ctypes.c_int]
         lib.sl_set_threads.restype = ctypes.c_int
         lib.sl_isa.restype = ctypes.c_int
+        _dots_fast = lib.sl_isa() != 0
         lib.sl_amx_ready.restype = ctypes.c_int
         lib.sl_set_prefetch.argtypes = [ctypes.c_int]
         lib.sl_set_prefetch.restype = ctypes.c_int
@@ -241,6 +243,16 @@ def _load():
 
 
 _building = threading.Event()
+
+
+def _matmul_lib():
+    """The loaded library where its matmuls are vector code, else None: a portable-C build multiplies
+    element by element, several times slower than PyTorch (that path, built for Haswell before AVX2 had a
+    path of its own, read a bf16 FFN matrix at one token at 2.9 GB/s on two cores here against PyTorch's
+    21.6), so its matmuls and the layer calls built on them stay with PyTorch; its norms, copies and
+    coding still run."""
+    lib = _load()
+    return lib if lib is not None and _dots_fast else None
 
 
 def prepare_async() -> None:
@@ -394,7 +406,7 @@ def _takes(n_rows: int, w: torch.Tensor, min_weights: int | None = None, rows: i
     return (_enabled and w.device.type == "cpu" and w.dtype in _DTYPES and w.dim() == 2
             and 0 < n_rows <= (max_rows(w.dtype) if rows is None else rows)
             and w.numel() >= min_weights
-            and _load() is not None)
+            and _matmul_lib() is not None)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -465,7 +477,7 @@ def _batch(dtype: torch.dtype, xp: list[int], wp: list[int], counts: list[int], 
     """One `sl_linear_batch` job: matmul i reads counts[i] rows at address xp[i] and the [n, k] matrix at
     wp[i]; the outputs are packed in order into a new [sum(counts), n] tensor (None: no kernel, or the
     pool is busy with another thread's job)."""
-    lib = _load()
+    lib = _matmul_lib()
     if lib is None:
         return None
     _sync_threads(lib)
@@ -638,7 +650,7 @@ def moe_layer(x: torch.Tensor, norm_w: torch.Tensor, eps: float, router: torch.T
             or norm_w.shape != (H,) or not norm_w.is_cpu or not norm_w.is_contiguous()
             or norm_w.dtype not in (x.dtype, torch.float32)):
         return None
-    lib = _load()
+    lib = _matmul_lib()
     if lib is None:
         return None
     _sync_threads(lib)

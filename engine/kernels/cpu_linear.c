@@ -2,8 +2,9 @@
  *
  * Decode reads every weight once per token, so the CPU side of a plan is bound by how fast it streams
  * weights from DRAM. This kernel keeps the weights in their own precision (bf16, fp16 or fp32), multiplies
- * them with the activations in float32 (bf16 pairs through AVX512-BF16's dot product where the CPU has it),
- * accumulates in float32 and rounds the result once to the output precision, as a BLAS call would.
+ * them with the activations in float32 (16 lanes with AVX-512, bf16 pairs through AVX512-BF16's dot product
+ * where the CPU has it, 8 lanes with AVX2 and FMA), accumulates in float32 and rounds the result once to
+ * the output precision, as a BLAS call would. A build with none of these leaves matmuls to PyTorch.
  *
  * Work is cut into chunks of rows that a small pthread pool of its own claims from a shared counter:
  * workers spin briefly after a job (consecutive matmuls of one layer follow each other within
@@ -199,6 +200,70 @@ dots_avx512_impl(int dtype, const void *x, const void *w, int64_t K, const int n
     for (int r = 0; r < nr; r++)
         for (int t = 0; t < nt; t++) out[r][t] = _mm512_reduce_add_ps(acc[r][t]);
 }
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* CPUs with AVX2 and FMA but no AVX-512 (most desktop Intel parts, AMD before Zen 4). Without this path
+ * such a build multiplied element by element: on two cores here, built for Haswell, a bf16 matrix of
+ * Llama-3-8B's FFN at one token read 2.9 GB/s against PyTorch's 21.6 (docs/benchmarks/cpu_avx2/). */
+static inline __m256 load8(int dtype, const void *p, int64_t k) {
+    if (dtype == DT_F32) return _mm256_loadu_ps((const float *)p + k);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
+    if (dtype == DT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#if defined(__F16C__)
+    return _mm256_cvtph_ps(h);
+#else
+    float f[8];
+    for (int i = 0; i < 8; i++) f[i] = f16_to_f32(((const uint16_t *)p)[k + i]);
+    return _mm256_loadu_ps(f);
+#endif
+}
+
+/* the last n < 8 elements of a row from k, zero past them (AVX2 masks no 16-bit loads) */
+static inline __m256 load8_tail(int dtype, const void *p, int64_t k, int64_t n) {
+    size_t es = dtype == DT_F32 ? 4 : 2;
+    float buf[8] = {0};
+    memcpy(buf, (const char *)p + (size_t)k * es, (size_t)n * es);
+    return load8(dtype, buf, 0);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* acc[r][t] over k in [0, K): 8 lanes widened to float32 and FMA, as dots_avx512_impl with 16 */
+static inline __attribute__((always_inline)) void
+dots_avx2_impl(int dtype, const void *x, const void *w, int64_t K, const int nr, const int nt, int64_t n0,
+               float out[ROWS][MTILE]) {
+    size_t es = dtype == DT_F32 ? 4 : 2;
+    __m256 acc[ROWS][MTILE];
+    for (int r = 0; r < ROWS; r++)
+        for (int t = 0; t < MTILE; t++) acc[r][t] = _mm256_setzero_ps();
+    const char *wb = (const char *)w + (size_t)n0 * K * es;
+    const int64_t pf = pf_words, line = 64 / (int64_t)es, full = K & ~(int64_t)7;
+    for (int64_t k = 0; k < K; k += 8) {
+        __m256 xv[MTILE];
+        const int tail = k >= full;
+        for (int t = 0; t < nt; t++) {
+            const char *xt = (const char *)x + (size_t)t * K * es;
+            xv[t] = tail ? load8_tail(dtype, xt, k, K - k) : load8(dtype, xt, k);
+        }
+        for (int r = 0; r < nr; r++) {
+            const char *wr = wb + (size_t)r * K * es;
+            __m256 wv = tail ? load8_tail(dtype, wr, k, K - k) : load8(dtype, wr, k);
+            if (k % line == 0) {       /* (a prefetch a cache line, as the AVX-512 path's) */
+                if (K < SHORT_ROW) _mm_prefetch(wb + ((size_t)(r + ROWS) * K + k) * es, _MM_HINT_T0);
+                else if (pf) _mm_prefetch(wb + ((size_t)r * K + pf_offset(K, k, pf)) * es, _MM_HINT_T0);
+            }
+            for (int t = 0; t < nt; t++) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < nr; r++)
+        for (int t = 0; t < nt; t++) out[r][t] = hsum8(acc[r][t]);
+}
+#define HAVE_DOTS_AVX2 1
 #endif
 
 #if defined(__AVX512BF16__)
@@ -432,6 +497,14 @@ static void dots_coded(const void *x, const coded_mat *cm, int64_t K, int nr, in
                        float out[ROWS][MTILE]) {
 #define CODED_CALL(R, T) dots_coded_impl(x, cm, K, R, T, n0, out)
     DISPATCH(CODED_CALL);
+}
+#endif
+
+#if defined(HAVE_DOTS_AVX2)
+static void dots_avx2(int dtype, const void *x, const void *w, int64_t K, int nr, int nt, int64_t n0,
+                      float out[ROWS][MTILE]) {
+#define AVX2_CALL(R, T) dots_avx2_impl(dtype, x, w, K, R, T, n0, out)
+    DISPATCH(AVX2_CALL);
 }
 #endif
 
@@ -688,6 +761,8 @@ static void linear_rows(const linear_job *j, int64_t n_begin, int64_t n_end) {
             else dots_avx512(j->dtype, xm, j->w, j->K, nr, nt, n, out);
 #elif defined(__AVX512F__)
             dots_avx512(j->dtype, xm, j->w, j->K, nr, nt, n, out);
+#elif defined(HAVE_DOTS_AVX2)
+            dots_avx2(j->dtype, xm, j->w, j->K, nr, nt, n, out);
 #else
             dots_scalar(j->dtype, xm, j->w, j->K, nr, nt, n, out);
 #endif
@@ -1958,13 +2033,16 @@ static int ffn_layer(int dtype, int ndtype, const void *x, int64_t t, int64_t H,
     return 0;
 }
 
-/* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 0 = portable C (the tiles
- * of many-row bf16 matmuls: sl_amx_ready). */
+/* What the build can do: 2 = AVX512-BF16 dot products, 1 = AVX-512 widening, 3 = AVX2 and FMA widening,
+ * 0 = portable C, whose element-by-element matmuls PyTorch beats (the tiles of many-row bf16 matmuls:
+ * sl_amx_ready). */
 int sl_isa(void) {
 #if defined(__AVX512BF16__)
     return 2;
 #elif defined(__AVX512F__)
     return 1;
+#elif defined(HAVE_DOTS_AVX2)
+    return 3;
 #else
     return 0;
 #endif

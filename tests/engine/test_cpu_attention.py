@@ -311,9 +311,23 @@ def test_sim_plans_decode_the_same_bits(tiny_model):
 
 _GENERIC_CHECK = """
 import torch
+import torch.nn.functional as F
 from engine import kernels
-from tests.engine import test_cpu_attention as t
+from engine.models import dense
+from tests.engine import test_cpu_attention as t, test_cpu_kernel as m
 print(kernels.status(), kernels.attention_ready())
+w, x = torch.randn(64, 32), torch.randn(1, 32)
+print("matmul", kernels.linear(x, w, min_weights=0) is not None)
+assert torch.allclose(dense.linear(x, w), F.linear(x, w), atol=1e-5)      # (answered either way)
+if kernels.linear(x, w, min_weights=0) is not None:
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for rows in (1, 2, 4, 5, 16):
+            for shape in ((300, 1024), (37, 50), (5, 33), (1, 1)):
+                m.test_matches_float64_reference(dtype, rows, shape)
+        m.test_linear_many_matches_each_matmul(dtype)
+    m.test_several_threads_split_rows_exactly()
+    m.test_prefetch_distances_change_no_bits(4100)
+    print("matmul checked")
 if kernels.attention_ready():
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for heads, kv_heads, d in ((8, 2, 64), (6, 2, 80)):
@@ -330,18 +344,23 @@ if kernels.attention_ready():
                     reason="x86 builds with a C compiler only")
 @pytest.mark.parametrize("arch,fast", [("haswell", True), ("x86-64", False)])
 def test_builds_without_avx512(tmp_path, arch, fast):
-    """The library built for a CPU without AVX-512: with AVX2, FMA and F16C (most gaming CPUs) its plain-C
-    attention, vectorized by the compiler, matches SDPA as the AVX-512 one does; an SSE2-only build (slower
-    than PyTorch for fp16) declines, and attention stays with PyTorch."""
+    """The library built for a CPU without AVX-512: with AVX2, FMA and F16C (most gaming CPUs) its matmuls
+    take their AVX2 path and match a float64 reference as the AVX-512 ones do (every dtype, 1-16 rows, rows
+    that end mid-vector, one thread or two, any prefetch distance), and its plain-C attention, vectorized by
+    the compiler, matches SDPA; an SSE2-only build (element by element, slower than PyTorch) declines both,
+    and they stay with PyTorch."""
     cc = tmp_path / "cc"
     cc.write_text(f'#!/bin/sh\nargs=""\nfor a in "$@"; do [ "$a" = "-march=native" ] && a="-march={arch}"; '
                   f'args="$args $a"; done\nexec {shutil.which("cc")} $args\n')
     cc.chmod(0o755)
-    env = {**os.environ, "CC": str(cc), "SLIPSTREAM_KERNEL_CACHE": str(tmp_path / "cache")}
+    env = {**os.environ, "CC": str(cc), "SLIPSTREAM_KERNEL_CACHE": str(tmp_path / "cache"),
+           "SLIPSTREAM_NATIVE_MAX_ROWS": "16"}     # (every row count native, also on a CPU with AMX)
     root = Path(__file__).resolve().parents[2]
     r = subprocess.run([sys.executable, "-c", _GENERIC_CHECK], check=False, capture_output=True, text=True,
                        env={**env, "PYTHONPATH": str(root)}, cwd=root, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    status, ready = r.stdout.splitlines()[0].rsplit(" ", 1)
-    assert status.startswith("native portable C") and ready == str(fast)
-    assert ("checked" in r.stdout) == fast
+    lines = r.stdout.splitlines()
+    status, ready = lines[0].rsplit(" ", 1)
+    assert status.startswith("native AVX2" if fast else "native portable C") and ready == str(fast)
+    assert lines[1] == f"matmul {fast}"
+    assert ("matmul checked" in lines) == fast and ("checked" in lines) == fast
