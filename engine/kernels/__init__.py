@@ -248,9 +248,9 @@ _building = threading.Event()
 def _matmul_lib():
     """The loaded library where its matmuls are vector code, else None: a portable-C build multiplies
     element by element, several times slower than PyTorch (that path, built for Haswell before AVX2 had a
-    path of its own, read a bf16 FFN matrix at one token at 2.9 GB/s on two cores here against PyTorch's
-    21.6), so its matmuls and the layer calls built on them stay with PyTorch; its norms, copies and
-    coding still run."""
+    path of its own, read a bf16 FFN matrix at one token at 2.7 GB/s on two cores here, PyTorch held to
+    AVX2 15-18), so its matmuls and the layer calls built on them stay with PyTorch; its norms, copies
+    and coding still run."""
     lib = _load()
     return lib if lib is not None and _dots_fast else None
 

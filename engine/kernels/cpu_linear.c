@@ -205,7 +205,8 @@ dots_avx512_impl(int dtype, const void *x, const void *w, int64_t K, const int n
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* CPUs with AVX2 and FMA but no AVX-512 (most desktop Intel parts, AMD before Zen 4). Without this path
  * such a build multiplied element by element: on two cores here, built for Haswell, a bf16 matrix of
- * Llama-3-8B's FFN at one token read 2.9 GB/s against PyTorch's 21.6 (docs/benchmarks/cpu_avx2/). */
+ * Llama-3-8B's FFN at one token read 2.7 GB/s, PyTorch held to AVX2 15-18, this path 21.9
+ * (docs/benchmarks/cpu_avx2/). */
 static inline __m256 load8(int dtype, const void *p, int64_t k) {
     if (dtype == DT_F32) return _mm256_loadu_ps((const float *)p + k);
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + k));
