@@ -156,7 +156,7 @@ class TorchEngine(Engine):
         self.executor = Executor(cfg, loaded.weights, self.accel, self.dtype, kv_fp8=kv_dtype == "fp8",
                                  transfer_code=self.transfer_code)
         store = self.executor.store
-        self.spec = self.spec.with_transfer(store.transfer_bytes(), store.stage_bytes)
+        self.spec = self.spec.with_transfer(store.transfer_bytes(), store.stage_bytes, store.escape_index_bytes)
         self._set_host_kv(host_kv_gib)
         if self.vision is not None:
             from engine.models.vision import MRotaryTable

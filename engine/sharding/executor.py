@@ -224,9 +224,18 @@ class Executor:
         self.plan = plan
 
     def _drain_slots(self) -> None:
+        """Wait for every slot's copy before the slots go. A copy that ran out of memory is not raised again
+        here (its step raised it, or the slot's content is dropped now); the device is synchronized instead,
+        since a copy that stopped half-way leaves no event to wait for."""
+        failed = False
         for h in self.slot_ready:
             if h is not None:
-                h.wait_host()
+                try:
+                    h.wait_host()
+                except torch.OutOfMemoryError:
+                    failed = True
+        if failed:
+            self.accel.synchronize()
         self.slot_content, self.slot_ready, self.slot_free_after = [], [], []
         self.slot_valid, self.slot_skip, self._pending = [], [], []
 
@@ -401,9 +410,24 @@ class Executor:
             experts = self._routed_experts(name)
             self._issue(slot, name, None if experts is False else experts)   # copies only what is missing
             if self.slot_ready[slot] is not None:      # None: nothing copied yet (no expert routed)
-                self.slot_ready[slot].wait_compute()
+                self._wait_slot(slot)
             return self.store.slot_views(slot, name)
         return self.store.sublayers[name].host_views
+
+    def _wait_slot(self, slot: int) -> None:
+        """The compute waits for `slot`'s copy. A copy that failed (out of memory in the issuer thread, where
+        a coded copy's decode allocates) empties the slot before its error goes up, so the step's retry
+        copies it again instead of meeting the same failed copy at every wait (session 29, call CG: the MoE
+        shape's 2 GiB row gave up with "out of memory even with nothing on the GPU", every back-off
+        re-raising one escape scatter's error)."""
+        try:
+            self.slot_ready[slot].wait_compute()
+        except BaseException:
+            self.slot_content[slot] = None
+            self.slot_ready[slot] = None
+            self.slot_valid[slot] = set()
+            self.slot_skip[slot] = 0
+            raise
 
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()

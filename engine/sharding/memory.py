@@ -109,10 +109,11 @@ def transfer_bytes(spec: ModelSpec) -> dict[str, int]:
 
 
 def stage_ring_bytes(spec: ModelSpec) -> int:
-    """VRAM of transfer coding's staging ring, booked with the slots whenever anything streams."""
+    """VRAM of transfer coding's staging ring, booked with the slots whenever anything streams, and of the
+    index a copy's escapes are put with (`transfer_code.apply_escapes`)."""
     from engine.sharding.transfer_code import N_STAGES
 
-    return N_STAGES * spec.stage_bytes if spec.transfer else 0
+    return N_STAGES * spec.stage_bytes + spec.escape_index_bytes if spec.transfer else 0
 
 
 def slot_bytes(spec: ModelSpec, placement: dict[str, Placement], n_slots: int) -> int:

@@ -63,15 +63,18 @@ class ModelSpec:
     sublayers: tuple[SubLayerSpec, ...]
     wide: frozenset[str] = frozenset()   # weights stored in float32 beside 16-bit ones (GGUF norms, routers)
     # Transfer coding (engine.sharding.transfer_code): the bytes a whole streamed copy of each coded
-    # sub-layer moves, and one staging buffer's bytes (the ring of them is booked with the slots)
+    # sub-layer moves, one staging buffer's bytes (the ring of them is booked with the slots), and the int64
+    # index a copy puts its escapes with (`transfer_code.apply_escapes`; booked with the ring)
     transfer: tuple[tuple[str, int], ...] = ()
     stage_bytes: int = 0
+    escape_index_bytes: int = 0
 
-    def with_transfer(self, sizes: dict[str, int], stage_bytes: int) -> ModelSpec:
+    def with_transfer(self, sizes: dict[str, int], stage_bytes: int, escape_index_bytes: int = 0) -> ModelSpec:
         """This spec with the coded sub-layers' transfer sizes (empty: no coding)."""
         from dataclasses import replace
 
-        return replace(self, transfer=tuple(sorted(sizes.items())), stage_bytes=int(stage_bytes) if sizes else 0)
+        return replace(self, transfer=tuple(sorted(sizes.items())), stage_bytes=int(stage_bytes) if sizes else 0,
+                       escape_index_bytes=int(escape_index_bytes) if sizes else 0)
 
     def widened(self, names) -> ModelSpec:
         """This spec with `names` held in float32 (4 bytes an element) while the rest run in the compute

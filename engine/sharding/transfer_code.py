@@ -49,6 +49,7 @@ MAX_CODED_FRACTION = 0.8        # code a chunk only if that makes it at most thi
 MIN_BYTES = 256 << 10           # smaller sub-layers stay raw (a copy that small is latency, not bytes)
 N_STAGES = 2                    # staging buffers on the GPU: one filling while the other is decoded
 ESCAPE = 7
+ESCAPE_SLICE = 1 << 17          # escapes put per scatter (`apply_escapes`; its int64 index 1 MiB at most)
 TIGHT_BLOCK = 1024              # a tight chunk's words per decode block (its second codes' start stored per block)
 ESCAPE2 = 15
 
@@ -412,8 +413,14 @@ def decode_tight_chunk(st: torch.Tensor, out16: torch.Tensor, w: int, n2: int, b
 
 
 def apply_escapes(block: torch.Tensor, k: int, dst16: torch.Tensor) -> None:
-    """Put the escaped words of the escape block `block` (uint8 [6k]) into the sub-layer's words `dst16`."""
-    dst16.index_put_((block[:4 * k].view(torch.int32),), block[4 * k:6 * k].view(torch.int16))
+    """Put the escaped words of the escape block `block` (uint8 [6k]) into the sub-layer's words `dst16`,
+    `ESCAPE_SLICE` at a time: PyTorch copies an int32 index to int64 before it scatters, a temporary of 8
+    bytes an escape. Whole, it was 20 MiB for one expert group of the Qwen3-30B-A3B shape (some 2.6 million
+    escapes) and ran the 2 GiB budget out of memory on the H200 (session 29, call CG); a slice's is booked
+    with the staging ring (`WeightStore.escape_index_bytes`)."""
+    pos, val = block[:4 * k].view(torch.int32), block[4 * k:6 * k].view(torch.int16)
+    for a in range(0, k, ESCAPE_SLICE):
+        dst16.index_put_((pos[a:a + ESCAPE_SLICE],), val[a:a + ESCAPE_SLICE])
 
 
 class Program:

@@ -27,6 +27,7 @@ import torch
 from engine.sharding.device import HOST_ALIGN as _ALIGN
 from engine.sharding.device import Accelerator, host_buffers
 from engine.sharding.transfer_code import (
+    ESCAPE_SLICE,
     N_STAGES,
     CodedBuffer,
     CpuMatrix,
@@ -263,6 +264,11 @@ class WeightStore:
         """One staging buffer's bytes (0 without coded sub-layers)."""
         return max((c.stage_bytes for c in self.coded.values()), default=0)
 
+    @property
+    def escape_index_bytes(self) -> int:
+        """The int64 index PyTorch makes for one scatter of escapes (`apply_escapes`): a slice's at most."""
+        return 8 * min(ESCAPE_SLICE, max((c.escapes for c in self.coded.values()), default=0))
+
     def transfer_bytes(self) -> dict[str, int]:
         """Bytes a whole streamed copy of each coded sub-layer moves."""
         return {n: c.nbytes for n, c in self.coded.items()}
@@ -314,6 +320,7 @@ class WeightStore:
         if n_slots and self.coded:
             self.stages = Stages([self.accel.alloc(self.stage_bytes, "slots", "transfer staging buffer")
                                   for _ in range(N_STAGES)])
+            self.accel.book(self.escape_index_bytes, "slots", "the index of a transfer's escapes")
 
     def slot_views(self, slot: int, name: str) -> dict[str, torch.Tensor]:
         """Views of sub-layer `name`'s tensors in streaming slot `slot`, cut once per slot and sub-layer
@@ -334,6 +341,7 @@ class WeightStore:
             self.stages.close()
             for buf in self.stages.bufs:
                 self.accel.free(buf, "slots")
+            self.accel.unbook(self.escape_index_bytes, "slots")
             self.stages = None
 
     def close(self) -> None:

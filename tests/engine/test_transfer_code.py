@@ -339,6 +339,8 @@ def test_the_staging_ring_is_booked_as_planned(tiny_model, coded_env, monkeypatc
     eng = _open(tiny_model("llama3", dtype="bfloat16"), True, monkeypatch)
     store = eng.executor.store
     assert eng.spec.stage_bytes == store.stage_bytes > 0
+    assert eng.spec.escape_index_bytes == store.escape_index_bytes \
+        == 8 * min(tc.ESCAPE_SLICE, max(c.escapes for c in store.coded.values()))
     rep = eng.plan_report()["transfer_coding"]
     assert rep["on"] and rep["sublayers"] == len(store.coded) and 0 < rep["coded_bytes"] < rep["raw_bytes"]
     sizes = transfer_bytes(eng.spec)
@@ -350,9 +352,67 @@ def test_the_staging_ring_is_booked_as_planned(tiny_model, coded_env, monkeypatc
     place = ps.plans[0].placement
     assert eng.accel.used["slots"] == slot_bytes(eng.spec, place, 2)
     assert eng.accel.used["slots"] == 2 * max(store.nbytes(n) for n, p in place.items() if p is Placement.STREAMED) \
-        + tc.N_STAGES * store.stage_bytes
+        + tc.N_STAGES * store.stage_bytes + store.escape_index_bytes
     force_planset(eng, PlanSet(eng.budget, all_cpu_planset(eng, eng.budget).plans))
     assert eng.accel.used["slots"] == 0                # no stream, no ring
+    eng.close()
+
+
+def test_escapes_put_slice_by_slice_give_the_bytes_back(monkeypatch):
+    g = torch.Generator().manual_seed(5)
+    raw = (torch.randn(200_000, generator=g) * 0.02)
+    raw[::100] = raw[::100] * 1e12          # one word in a hundred escapes
+    raw = _bytes(raw.to(torch.bfloat16))
+    coded = tc.encode(raw, chunk_words=8192)
+    assert coded.escapes >= 2000
+    calls = []
+    real_put = torch.Tensor.index_put_
+
+    def counted(self, indices, values, *args, **kwargs):
+        calls.append(indices[0].numel())
+        return real_put(self, indices, values, *args, **kwargs)
+
+    monkeypatch.setattr(tc, "ESCAPE_SLICE", 300)
+    monkeypatch.setattr(torch.Tensor, "index_put_", counted)
+    assert torch.equal(tc.decode(coded), raw)
+    assert max(calls) == 300 and sum(calls) == coded.escapes     # (the index's copy: a slice's at most)
+
+
+@pytest.mark.parametrize("keeps_streaming", [False, True])
+def test_a_coded_copy_that_runs_out_of_memory_is_copied_again_after_the_back_off(tiny_model, coded_env,
+                                                                                   monkeypatch, keeps_streaming):
+    """A coded copy fails in the issuer thread (its decode allocates): the step backs off and copies again,
+    with the same tokens, whether the re-plan drops the slots or keeps streaming through the same ones. The
+    failed copy is raised once, not at every later wait (session 29, call CG)."""
+    path = tiny_model("llama3", dtype="bfloat16")
+    eng = _open(path, True, monkeypatch)
+    force_planset(eng, _streaming_planset(eng, 2))
+    want = [e.token_id for e in eng.generate("a b c", max_new_tokens=12)]
+    force_planset(eng, _streaming_planset(eng, 2))
+    slots = 2 if keeps_streaming else 1      # the re-plan's: the same slots, or new ones (the old drained)
+    eng._make_planset = lambda budget, kv_tokens=None: PlanSet(budget, _streaming_planset(eng, slots).plans)
+    real_decode = tc.decode_chunk
+    state = {"armed": False, "fired": 0}
+
+    def flaky_decode(*args):
+        if state["armed"] and not state["fired"]:
+            state["fired"] += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated, in the copy's decode)")
+        return real_decode(*args)
+
+    monkeypatch.setattr(tc, "decode_chunk", flaky_decode)
+    budget = eng.budget
+    got = []
+    for i, ev in enumerate(eng.generate("a b c", max_new_tokens=12)):
+        got.append(ev.token_id)
+        if i == 4:
+            state["armed"] = True
+    assert state["fired"] == 1
+    assert got == want
+    assert 0 < eng.budget < budget            # one back-off, not down to nothing on the GPU
+    assert any("out of memory" in r["reason"] for r in eng.replans)
+    assert len(eng.executor.store.slots) == slots
+    assert eng.accel.total_used <= eng.budget
     eng.close()
 
 
