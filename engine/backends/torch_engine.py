@@ -265,7 +265,8 @@ class TorchEngine(Engine):
             return                                                      # first, and may have cut it already)
         self.kv_tokens = target
         kv.shrink(target // BLOCK_SIZE)
-        self._set_budget_now(self.budget, f"KV capacity cut to {target} tokens for a shorter request", step_tokens)
+        self._replan_or_back_off(self.budget, f"KV capacity cut to {target} tokens for a shorter request",
+                                 step_tokens)
 
     def _ensure_kv_capacity(self, tokens: int, step_tokens: int = 1) -> None:
         """Grow the KV capacity to hold `tokens` (re-planned; `step_tokens`: the new tokens of the step
@@ -273,12 +274,23 @@ class TorchEngine(Engine):
         if tokens > self.kv_tokens:
             self._apply_pending_budget()     # (a drop queued meanwhile first: never re-plan at the old budget)
             self.kv_tokens = self._kv_capacity(max(tokens, 2 * self.kv_tokens))
-            try:
-                self._set_budget_now(self.budget, f"context grew to {tokens} tokens", step_tokens)
-            except (torch.OutOfMemoryError, OutOfBudgetError) as exc:
-                # The grown pools meet the allocator's cap as a step can (session 25, call BJ: the MoE
-                # shape at 2 GiB in batched decode): re-plan smaller, as after a step's out-of-memory
-                self._back_off(exc, 0)
+            self._replan_or_back_off(self.budget, f"context grew to {tokens} tokens", step_tokens)
+
+    def _replan_or_back_off(self, budget: int, reason: str, step_tokens: int = 1) -> None:
+        """`_set_budget_now`, and where its re-plan runs short (the pools grown for a longer context meet the
+        allocator's cap, session 25 call BJ; the plan of a prompt's step, brought in by a KV cut, finds the
+        process overhead grown by kernels loaded since the budget was set, session 29 calls CI and CJ: the
+        MoE shape at 4 GiB, 13 MiB over, the suite's row lost), a smaller budget, as after a step's
+        out-of-memory, instead of an error for the request or for the caller of set_vram_budget. As there,
+        the budget asked for is tried again at a later request (`_retry_budget`)."""
+        try:
+            self._set_budget_now(budget, reason, step_tokens)
+        except (torch.OutOfMemoryError, OutOfBudgetError) as exc:
+            self.budget = budget                 # (backed off from the budget this re-plan was for)
+            self._back_off(exc, 0)
+            if self._oom_retries > 0 and self._wanted_budget > self.budget:
+                self._oom_retries -= 1
+                self._retry_wanted = True
 
     def _initial_budget(self, vram_budget) -> int:
         if vram_budget is not None:
@@ -475,7 +487,7 @@ class TorchEngine(Engine):
             reason, self._pending_reason = self._pending_reason, "set_vram_budget"
         if budget is None:
             return False
-        self._set_budget_now(self.budget if budget == IN_FORCE else budget, reason)
+        self._replan_or_back_off(self.budget if budget == IN_FORCE else budget, reason)
         return True
 
     def _post_budget(self, budget: int | None, reason: str) -> None:

@@ -218,7 +218,12 @@ def run_scenario(scenario, budgets, part, device: str, runs: int, allowance: int
                 if not deadline.allows(90):
                     say(f"  deadline: slipstream {scenario.model} at {name} left for a later call")
                     break
-                m = measure_budget(eng, b, runs, poll)
+                try:
+                    m = measure_budget(eng, b, runs, poll)
+                except Exception:
+                    # (kept with the logs: session 29's calls CI and CJ brought back the error's line alone)
+                    (part.log_dir / f"{scenario.model}-{name}-error.txt").write_text(traceback.format_exc())
+                    raise
                 report = eng.plan_report()
                 peak = poll.peak(os.getpid()) if poll.available else None
                 row = {"system": "slipstream", "model": scenario.model, "budget": name, "budget_bytes": b,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+
 from engine.bench.gpu_merge import load_parts, merge, table
 from engine.bench.partials import Deadline, Partial, row_key
 
@@ -252,6 +254,29 @@ def test_a_slipstream_row_keeps_the_rates_probed_before_and_after_its_engine(tmp
     for r in rows:
         before, after = r["lease_rates"]["before"], r["lease_rates"]["after"]
         assert before["cpu_gemv_gbps"] > 0 and after["cpu_gemv_gbps"] > 0 and before["at"] <= after["at"]
+
+
+def test_a_budget_whose_run_fails_keeps_its_traceback_with_the_logs(tmp_path, monkeypatch):
+    """A budget whose measurement raises keeps the rows before it, and its traceback beside the plans in the
+    part's logs (not only the error's line on the console)."""
+    from engine.bench import gpu_suite, slipstream_runs
+
+    real = slipstream_runs.measure_budget
+
+    def fails_at_4mib(eng, b, *args, **kwargs):
+        if b == 4 << 20:
+            raise RuntimeError("scratch for 1024-token steps: simulated")
+        return real(eng, b, *args, **kwargs)
+
+    monkeypatch.setattr(slipstream_runs, "measure_budget", fails_at_4mib)
+    monkeypatch.setenv("SLIPSTREAM_BENCH_WORK", str(tmp_path / "work"))
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="simulated"):
+        gpu_suite.main(["--part", "slipstream", "--dry-run", "--models", "tiny-llama", "--budgets", "2MiB,4MiB",
+                        "--out", str(out)])
+    assert [r["budget"] for r in json.loads((out / "part-slipstream.json").read_text())["rows"]] == ["2MiB"]
+    text = (tmp_path / "work" / "logs" / "slipstream" / "tiny-llama-4MiB-error.txt").read_text()
+    assert "Traceback" in text and "fails_at_4mib" in text and "simulated" in text
 
 
 def test_decode_is_also_set_beside_the_bound_at_the_rates_its_own_lease_showed(tmp_path):

@@ -219,3 +219,73 @@ def test_a_kv_growth_out_of_memory_backs_off_like_a_step(tiny_model, monkeypatch
     assert any("out of memory" in r["reason"] for r in eng.replans)
     assert eng.accel.total_used <= eng.budget
     eng.close()
+
+
+def _short_activation_once(monkeypatch, caller: str) -> dict:
+    """The executor's activation runs short once (a booking over the budget), where it is called from
+    `caller` (a TorchEngine method) and armed."""
+    import inspect
+
+    from engine.errors import OutOfBudgetError
+    from engine.sharding import executor as executor_mod
+
+    real = executor_mod.Executor.activate
+    state = {"armed": False, "fired": 0}
+
+    def short(self, plan, *args, **kwargs):
+        if state["armed"] and not state["fired"] and any(f.function == caller for f in inspect.stack()):
+            state["fired"] += 1
+            raise OutOfBudgetError(f"scratch for {plan.tier}-token steps: more would exceed the VRAM budget "
+                                   "(simulated)")
+        return real(self, plan, *args, **kwargs)
+
+    monkeypatch.setattr(executor_mod.Executor, "activate", short)
+    return state
+
+
+def test_a_kv_cut_whose_re_plan_runs_short_backs_off_like_a_step(tiny_model, monkeypatch):
+    """A shorter request after a long one cuts the KV capacity and re-plans; where that re-plan runs short
+    (on the H200 the process overhead had grown by kernels loaded since the budget was set: session 29,
+    calls CI and CJ, the MoE shape at 4 GiB), the request backs off to a smaller budget and runs, with the
+    same tokens, instead of ending in the error; the next request tries the budget asked for again."""
+    from engine.backends import torch_engine
+    from engine.backends.torch_engine import TorchEngine
+
+    monkeypatch.setattr(torch_engine, "INITIAL_KV_TOKENS", 64)          # a 240-token prompt grows the KV
+    eng = engine.open_model(tiny_model("llama3"), device="sim", backend="torch")
+    full = eng.spec.total_weight_bytes * 2
+    monkeypatch.setattr(TorchEngine, "_make_planset", _attention_on_gpu_planset(full))
+    eng.set_vram_budget(full)
+    want = tokens(eng, 8)
+    tokens_of(eng, "a b c d " * 60, 2)
+    grown = eng.kv_tokens
+    state = _short_activation_once(monkeypatch, "_fit_kv_to_request")
+    state["armed"] = True
+    assert tokens(eng, 8) == want
+    assert state["fired"] == 1 and eng.kv_tokens < grown
+    assert eng.budget < full and "out of memory" in eng.replans[-1]["reason"]
+    assert eng.accel.total_used <= eng.budget
+    assert tokens(eng, 8) == want and eng.budget == full      # the budget asked for, tried again
+    eng.close()
+
+
+def test_a_budget_raise_whose_re_plan_runs_short_backs_off_instead_of_raising(tiny_model, monkeypatch):
+    """set_vram_budget's re-plan running short does not raise to the caller (the app's slider, the suite's
+    next budget): the engine backs off from the budget asked for, keeps giving the same tokens, and tries
+    that budget again at the next request."""
+    from engine.backends.torch_engine import TorchEngine
+
+    eng = engine.open_model(tiny_model("llama3"), device="sim", backend="torch")
+    full = eng.spec.total_weight_bytes * 2
+    monkeypatch.setattr(TorchEngine, "_make_planset", _attention_on_gpu_planset(full))
+    eng.set_vram_budget(full)
+    want = tokens(eng, 8)
+    eng.set_vram_budget(full // 8)
+    state = _short_activation_once(monkeypatch, "_apply_pending_budget")
+    state["armed"] = True
+    eng.set_vram_budget(full)
+    assert state["fired"] == 1
+    assert full // 8 < eng.budget < full and "out of memory" in eng.replans[-1]["reason"]
+    assert eng.accel.total_used <= eng.budget
+    assert tokens(eng, 8) == want and eng.budget == full
+    eng.close()
