@@ -7,7 +7,7 @@
 #    show steal under 2% (`decode_runs_detail`), as the table's other rows.
 # 2) The CPU matmul's prefetching at 2 and 8 GiB (Llama-3-8B), off and on in turns in one engine: call CG's rows
 #    at the defaults came out 11% under session 26's (same plans, no steal; its lease's copies beside the CPU
-#    probed 45.9 against 49.8 GB/s). At 2 GiB the decode streams 20 FFNs; prefetching may take memory bandwidth
+#    probed 45.3-45.9 against 49.2-51.5 GB/s). At 2 GiB the decode streams 20 FFNs; prefetching may take memory bandwidth
 #    from the copies there (call CD measured it at 4 GiB only: +15%).
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site carry/*.whl 2>/dev/null
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD PYTHONFAULTHANDLER=1
