@@ -280,9 +280,10 @@ class TorchEngine(Engine):
         """`_set_budget_now`, and where its re-plan runs short (the pools grown for a longer context meet the
         allocator's cap, session 25 call BJ; the plan of a prompt's step, brought in by a KV cut, finds the
         process overhead grown by kernels loaded since the budget was set, session 29 calls CI and CJ: the
-        MoE shape at 4 GiB, 13 MiB over, the suite's row lost), a smaller budget, as after a step's
-        out-of-memory, instead of an error for the request or for the caller of set_vram_budget. As there,
-        the budget asked for is tried again at a later request (`_retry_budget`)."""
+        MoE shape at 4 GiB, a few MiB over, the suite's row lost), a smaller budget, as after a step's
+        out-of-memory, instead of an error for the request or for the caller of set_vram_budget (or of
+        force_plan and the other switches that re-plan at once). As there, the budget asked for is tried again
+        at a later request (`_retry_budget`)."""
         try:
             self._set_budget_now(budget, reason, step_tokens)
         except (torch.OutOfMemoryError, OutOfBudgetError) as exc:
@@ -527,7 +528,7 @@ class TorchEngine(Engine):
         if self.planset is not None:
             self._require_open()
             with self._lock:
-                self._set_budget_now(self.budget, f"force_plan {kind}")
+                self._replan_or_back_off(self.budget, f"force_plan {kind}")
 
     def use_profile(self, prof) -> None:
         """Plan from `prof` (a ProfileDatabase) from now on, re-planning at once (benchmarks compare two
@@ -536,7 +537,7 @@ class TorchEngine(Engine):
         with self._lock:
             self._profile, self._planner = prof, None
             if self.planset is not None:
-                self._set_budget_now(self.budget, "profile changed")
+                self._replan_or_back_off(self.budget, "profile changed")
 
     def split_plans(self, flag: bool) -> None:
         """Plan the small-step tiers (decode, small batches) apart from the prompts' tiers from now on
@@ -548,7 +549,8 @@ class TorchEngine(Engine):
         with self._lock:
             self._split_plans, self._planner = bool(flag), None
             if self.planset is not None:
-                self._set_budget_now(self.budget, f"small-step tiers planned {'apart' if flag else 'with the rest'}")
+                self._replan_or_back_off(self.budget,
+                                         f"small-step tiers planned {'apart' if flag else 'with the rest'}")
 
     def one_slot_decode(self, flag: bool) -> None:
         """Whether the decode tier may stream through one slot where the planner prices that faster
@@ -559,7 +561,8 @@ class TorchEngine(Engine):
         with self._lock:
             self._one_slot, self._planner = bool(flag), None
             if self.planset is not None:
-                self._set_budget_now(self.budget, f"decode tier {'may stream through one slot' if flag else 'keeps two slots'}")
+                self._replan_or_back_off(self.budget,
+                                         f"decode tier {'may stream through one slot' if flag else 'keeps two slots'}")
 
     def ffn_share(self, setting: bool | int) -> None:
         """Whether the CPU may compute a share of the streamed dense FFNs' rows (`Plan.ffn_cpu_rows`): True
@@ -575,7 +578,7 @@ class TorchEngine(Engine):
                 self._planner.ffn_share = self._ffn_share is True
             self.executor.ffn_share = self._ffn_share is not False
             if self.planset is not None:
-                self._set_budget_now(self.budget, f"ffn share {self._ffn_share}")
+                self._replan_or_back_off(self.budget, f"ffn share {self._ffn_share}")
 
     def move_to_cpu(self, patterns: tuple[str, ...] | list[str] = ()) -> None:
         """From now on compute the sub-layers whose names match `patterns` ("layers.*.attn", "head") on the
@@ -592,7 +595,7 @@ class TorchEngine(Engine):
         with self._lock:
             self._on_cpu = tuple(patterns)
             if self.planset is not None:
-                self._set_budget_now(self.budget, f"sub-layers moved to the CPU: {', '.join(patterns) or 'none'}")
+                self._replan_or_back_off(self.budget, f"sub-layers moved to the CPU: {', '.join(patterns) or 'none'}")
 
     def plan_report(self) -> dict:
         self._require_open()

@@ -289,3 +289,22 @@ def test_a_budget_raise_whose_re_plan_runs_short_backs_off_instead_of_raising(ti
     assert eng.accel.total_used <= eng.budget
     assert tokens(eng, 8) == want and eng.budget == full
     eng.close()
+
+
+def test_force_plan_whose_re_plan_runs_short_backs_off_instead_of_raising(tiny_model, monkeypatch):
+    """force_plan re-plans at once; where that runs short it backs off like a budget change, with the kind
+    forced kept, and the same tokens."""
+    from engine.backends.torch_engine import TorchEngine
+
+    eng = engine.open_model(tiny_model("llama3"), device="sim", backend="torch")
+    full = eng.spec.total_weight_bytes * 2
+    monkeypatch.setattr(TorchEngine, "_make_planset", _attention_on_gpu_planset(full))
+    eng.set_vram_budget(full)
+    want = tokens(eng, 8)
+    state = _short_activation_once(monkeypatch, "force_plan")
+    state["armed"] = True
+    eng.force_plan("static")
+    assert state["fired"] == 1 and eng.plan_report()["forced"] == "static"
+    assert eng.budget < full and "out of memory" in eng.replans[-1]["reason"]
+    assert tokens(eng, 8) == want and eng.budget == full
+    eng.close()
