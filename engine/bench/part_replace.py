@@ -13,6 +13,10 @@ source's. The meta's `weights` stays where every row ran the same weights; else 
 (none where the target's rows predate the record).
 `--archive TAG` first copies the target beside itself as part-<name>-TAG.json (the merge reads only the
 newest file of a part, so archived copies stay out of the results).
+A row whose decode runs saw more CPU steal than `--max-steal` (their mean share; 2% by default) is left out
+and named: on a lease where neighbours take the CPU, a decode that computes on it measures them (session 29:
+the MoE shape's rows at 2-15% steal read 19-24 t/s where quiet leases had read 32). `--max-steal 1` takes
+every row.
 """
 
 from __future__ import annotations
@@ -25,6 +29,27 @@ import time
 from pathlib import Path
 
 from engine.bench.partials import row_key
+
+MAX_STEAL = 0.02
+
+
+def decode_steal(row: dict) -> float | None:
+    """The mean CPU steal share over a row's decode runs (None where the row did not record them)."""
+    shares = [d["steal_share"] for d in row.get("decode_runs_detail") or [] if d.get("steal_share") is not None]
+    return sum(shares) / len(shares) if shares else None
+
+
+def quiet_rows(source: dict, max_steal: float) -> tuple[dict, list[tuple[dict, float]]]:
+    """(the source with only rows whose decode runs saw at most `max_steal` steal, the rows left out and
+    their steal)."""
+    kept, loud = [], []
+    for r in source.get("rows", []):
+        s = decode_steal(r)
+        if s is not None and s > max_steal:
+            loud.append((r, s))
+        else:
+            kept.append(r)
+    return dict(source, rows=kept), loud
 
 
 def replace_rows(target: dict, source: dict, models: set[str] | None, budgets: set[str] | None,
@@ -76,12 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="", help="comma-separated budgets to take (default: all)")
     ap.add_argument("--note", default="", help="recorded on each new row as `call`")
     ap.add_argument("--archive", default="", help="copy the target to part-<name>-TAG.json first")
+    ap.add_argument("--max-steal", type=float, default=MAX_STEAL,
+                    help="leave out rows whose decode runs saw more CPU steal than this share (default 0.02)")
     args = ap.parse_args(argv)
     target = json.loads(args.into.read_text())
-    source = json.loads(args.source.read_text())
     split = lambda s: {x for x in s.split(",") if x} or None
+    source, loud = quiet_rows(json.loads(args.source.read_text()), args.max_steal)
+    models, budgets = split(args.models), split(args.budgets)
+    for r, s in loud:
+        if (models is None or r.get("model") in models) and (budgets is None or r.get("budget") in budgets):
+            print(f"part_replace: {r.get('system')} {r.get('model')} {r.get('budget')} left out: its decode runs "
+                  f"saw {s:.1%} CPU steal (more than --max-steal {args.max_steal:g})", file=sys.stderr)
     try:
-        out, replaced, added = replace_rows(target, source, split(args.models), split(args.budgets), args.note)
+        out, replaced, added = replace_rows(target, source, models, budgets, args.note)
     except ValueError as exc:
         print(f"part_replace: {exc}", file=sys.stderr)
         return 2

@@ -78,3 +78,23 @@ def test_rows_of_other_weights_keep_their_own_record(tmp_path):
     out = json.loads(into.read_text())
     assert out["meta"]["weights"] == "random_std" and all("weights" not in r for r in out["rows"])
     assert "Measured before" not in _weights_note({"accelerate": out})
+
+
+def test_rows_whose_decode_runs_saw_cpu_steal_are_left_out_and_named(tmp_path, capsys):
+    def row(budget, tps, steals):
+        return dict(_row("qwen3-30b-a3b", budget, tps),
+                    decode_runs_detail=[{"tps": tps, "steal_share": s} for s in steals])
+
+    into = tmp_path / "part-slipstream.json"
+    into.write_text(json.dumps(_part([_row("qwen3-30b-a3b", "2GiB", 31.9), _row("qwen3-30b-a3b", "4GiB", 35.2)],
+                                     "2026-11-30T10:00:00+00:00", ["old"])))
+    src = tmp_path / "new.json"
+    src.write_text(json.dumps(_part([row("2GiB", 21.9, [0.002, 0.13, 0.10]), row("4GiB", 36.0, [0.0, 0.01, 0.004])],
+                                    "2026-12-02T10:00:00+00:00", ["new"])))
+    assert part_replace.main(["--into", str(into), "--source", str(src)]) == 0
+    got = {r["budget"]: r["decode_tps"] for r in json.loads(into.read_text())["rows"]}
+    assert got == {"2GiB": 31.9, "4GiB": 36.0}
+    err = capsys.readouterr().err
+    assert "qwen3-30b-a3b 2GiB left out" in err and "7.7% CPU steal" in err and "4GiB" not in err
+    assert part_replace.main(["--into", str(into), "--source", str(src), "--max-steal", "1"]) == 0
+    assert {r["budget"]: r["decode_tps"] for r in json.loads(into.read_text())["rows"]} == {"2GiB": 21.9, "4GiB": 36.0}
