@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from engine.bench.partials import now_iso
+from engine.bench.partials import decode_steal, now_iso
 
 SYSTEM_ORDER = ("slipstream", "llama.cpp-default", "llama.cpp-tuned", "accelerate", "bound")
 PROFILE = Path("docs/benchmarks/profiles/h200.json")
@@ -367,27 +367,35 @@ def probe_lines(parts: dict, rows: list[dict] = ()) -> str:
             "probe (`engine.bench.gpu_common.lease_probe`): one-token bf16 matmuls over 1 GiB on the CPU, "
             "pinned host->GPU copies, the CPU time the hypervisor stole.\n\n" + "\n".join(lines) + "\n\n"
             + (("Slipstream's rows also probe the rates the bound takes, before their engine opens and after it "
-                "closes (`engine.bench.gpu_common.rates_probe`; GB/s alone / beside the other):\n\n" + "\n".join(rates)
+                "closes (`engine.bench.gpu_common.rates_probe`; GB/s alone / beside the other); each line also gives "
+                "the CPU steal the decode runs saw and the call the rows came from, where recorded:\n\n"
+                + "\n".join(rates)
                 + "\n\n") if rates else ""))
 
 
 def rate_probe_lines(rows: list[dict]) -> list[str]:
-    """One line per Slipstream run with rate probes (its rows share them): the model, its budgets, and the
-    CPU and host->GPU rates alone and beside each other, before and after."""
-    runs: dict[tuple[str, str], dict] = {}      # (model, when the run's first probe ran) -> its probes, budgets
+    """One line per Slipstream run with rate probes (its rows share them): the model, its budgets, the CPU
+    and host->GPU rates alone and beside each other, before and after, the CPU steal its decode runs saw
+    (mean per budget, where recorded) and the call its rows came from (`part_replace --note`)."""
+    runs: dict[tuple[str, str], dict] = {}      # (model, when the run's first probe ran) -> its probes, rows
     for r in rows:
         probes = (r.get("lease_rates") or {}) if r.get("system") == "slipstream" else {}
         before = probes.get("before") or {}
         if not before.get("at"):
             continue
-        run = runs.setdefault((r["model"], before["at"]), {"probes": probes, "budgets": []})
-        run["budgets"].append(r["budget"])
+        runs.setdefault((r["model"], before["at"]), {"probes": probes, "rows": []})["rows"].append(r)
 
     def one(p: dict) -> str:
         return (f"{p.get('at', '?')[11:16]} CPU {p.get('cpu_gemv_gbps')} / {p.get('cpu_gemv_with_copy_gbps')}, host->GPU "
                 f"{p.get('h2d_gbps')} / {p.get('h2d_with_cpu_gbps')}, steal {p.get('steal_share')}")
-    return [f"- {model} ({', '.join(run['budgets'])}), {at[:10]}: before {one(run['probes']['before'])}"
-            + (f"; after {one(run['probes']['after'])}" if run["probes"].get("after") else "")
+
+    def tail(rs: list[dict]) -> str:
+        steal = [f"{r['budget']} {s:.1%}" for r in rs if (s := decode_steal(r)) is not None]
+        calls = list(dict.fromkeys(r["call"] for r in rs if r.get("call")))
+        return ((f"; decode runs' CPU steal {', '.join(steal)}" if steal else "")
+                + "".join(f"; {c}" for c in calls))
+    return [f"- {model} ({', '.join(r['budget'] for r in run['rows'])}), {at[:10]}: before {one(run['probes']['before'])}"
+            + (f"; after {one(run['probes']['after'])}" if run["probes"].get("after") else "") + tail(run["rows"])
             for (model, at), run in runs.items()]
 
 

@@ -28,15 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from engine.bench.partials import row_key
+from engine.bench.partials import decode_steal, row_key
 
 MAX_STEAL = 0.02
-
-
-def decode_steal(row: dict) -> float | None:
-    """The mean CPU steal share over a row's decode runs (None where the row did not record them)."""
-    shares = [d["steal_share"] for d in row.get("decode_runs_detail") or [] if d.get("steal_share") is not None]
-    return sum(shares) / len(shares) if shares else None
 
 
 def quiet_rows(source: dict, max_steal: float) -> tuple[dict, list[tuple[dict, float]]]:

@@ -25,6 +25,12 @@ def row_key(row: dict) -> str:
     return "|".join(str(row.get(k, "")) for k in ("system", "model", "budget", "variant", "scenario"))
 
 
+def decode_steal(row: dict) -> float | None:
+    """The mean CPU steal share over a row's decode runs (None where the row did not record them)."""
+    shares = [d["steal_share"] for d in row.get("decode_runs_detail") or [] if d.get("steal_share") is not None]
+    return sum(shares) / len(shares) if shares else None
+
+
 class Partial:
     def __init__(self, out_dir: Path, part: str, prior_dir: Path | None = None, machine: dict | None = None):
         self.path = Path(out_dir) / f"part-{part}.json"

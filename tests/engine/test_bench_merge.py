@@ -296,7 +296,8 @@ def test_decode_is_also_set_beside_the_bound_at_the_rates_its_own_lease_showed(t
     out = tmp_path / "out"
     s = Partial(out, "slipstream", machine={"gpu": "NVIDIA H200"})
     slow["before"]["at"], slow["after"]["at"] = "2026-11-30T16:36:10+00:00", "2026-11-30T16:38:40+00:00"
-    s.add(_row("slipstream", "4GiB", 8.0, fits=True, lease_rates=slow))
+    s.add(_row("slipstream", "4GiB", 8.0, fits=True, lease_rates=slow, call="call CG: at the defaults",
+               decode_runs_detail=[{"tps": 8.0, "steal_share": 0.01}, {"tps": 8.1, "steal_share": 0.03}]))
     s.add(_row("slipstream", "2GiB", 6.0, fits=True,
                lease_rates={"before": probe(60.0, None, None, None)}))
     s.save()
@@ -320,7 +321,8 @@ def test_decode_is_also_set_beside_the_bound_at_the_rates_its_own_lease_showed(t
     assert f"| llama3-8b | 4GiB | decode | 8.00 | {LEASE_BOUND} |" in ratio_table(ratios(result["rows"]))
     md = (tmp_path / "res" / "results.md").read_text()
     assert ("- llama3-8b (4GiB), 2026-11-30: before 16:36 CPU 60.0 / 50.0, host->GPU 54.0 / 50.0, steal None; "
-            "after 16:38 CPU 70.0 / 60.0, host->GPU 56.0 / 52.0, steal None") in md
+            "after 16:38 CPU 70.0 / 60.0, host->GPU 56.0 / 52.0, steal None; decode runs' CPU steal 4GiB 2.0%; "
+            "call CG: at the defaults\n") in md
 
 
 def test_rows_that_streamed_coded_weights_are_also_set_beside_the_coded_bound(tmp_path):
