@@ -3,7 +3,7 @@
 # 1) The MoE rows at 2, 4 and 8 GiB at the defaults, with both of session 29's fixes (a coded copy's escapes
 #    put in slices; a KV cut's or a budget change's re-plan that runs short backs off): calls CH, CI and CJ ran
 #    them on leases with 4-15% CPU steal in the decode runs, and CI and CJ lost the 4 GiB row to the second bug.
-#    The table's MoE rows are session 26's (2 GiB) and older; `part_replace` takes only rows whose decode runs
+#    The table's MoE rows are session 26's (2 GiB) and session 24's (4, 8 GiB); `part_replace` takes only rows whose decode runs
 #    saw at most 2% steal on the mean (`--max-steal`), as the table's other rows.
 # 2) The CPU matmul's prefetching at 2 and 8 GiB (Llama-3-8B), off and on in turns in one engine: call CG's rows
 #    at the defaults came out 11% under session 26's (same plans, no steal; its lease's copies beside the CPU
